@@ -1,0 +1,25 @@
+"""TokenDance: a serving engine for multi-agent LLM applications."""
+
+from tokendance.config import EngineConfig
+from tokendance.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    ModelLoadError,
+    TokenDanceError,
+)
+from tokendance.llm import LLM
+from tokendance.outputs import RequestOutput
+from tokendance.sampling import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "EngineConfig",
+    "TokenDanceError",
+    "InvalidRequestError",
+    "ContextLengthError",
+    "CapacityError",
+    "ModelLoadError",
+]

@@ -1,0 +1,1 @@
+"""Engine layer: requests, scheduler, model runner and the step loop."""

@@ -1,0 +1,100 @@
+"""`LLM`: the offline Python API over the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+
+from tqdm.auto import tqdm
+
+from tokendance.config import EngineConfig
+from tokendance.engine.llm_engine import LLMEngine
+from tokendance.errors import InvalidRequestError
+from tokendance.outputs import RequestOutput
+from tokendance.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(model=None)` loads the default model (SmolLM2-135M-Instruct); keyword arguments are
+    `EngineConfig` fields (dtype, kv_cache_bytes, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine arguments: {', '.join(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        namespace: str = "",
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. All prompts are validated before any is scheduled."""
+        batch = _as_prompt_batch(prompts)
+        params = _as_params(sampling_params, len(batch))
+        requests = [self.engine.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, params)]
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate its reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        validate_messages(messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        for request in requests:
+            self.engine.add(request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        return results
+
+
+def validate_messages(messages) -> None:
+    if not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}")
+
+
+def _as_prompt_batch(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, Sequence) and prompts:
+        return list(prompts)
+    raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of those")
+
+
+def _as_params(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"{len(params)} sampling params for {count} prompts")
+    return params

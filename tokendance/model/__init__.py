@@ -1,0 +1,1 @@
+"""Model layer: Llama-family decoder over a paged KV cache, and its loaders."""

@@ -1,0 +1,202 @@
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+The forward pass takes one flat batch of new tokens from many requests — prefill chunks and decode
+tokens mixed — plus an `AttentionMetadata` that says where each token's K/V is written and which
+cached slots each request attends to. Linear layers run once over the whole flat batch; only
+attention is split per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokendance.config import ModelConfig
+
+
+@dataclass
+class PrefillAttention:
+    """One request with several query tokens in this step."""
+
+    query_start: int  # rows [query_start, query_end) of the flat batch
+    query_end: int
+    # Slots of every key this request attends to (cached prefix + the new tokens), or None when
+    # the request has no cached context: then the fresh K/V are used directly with a causal mask.
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [num_query, num_context] bool, True = attend
+
+
+@dataclass
+class DecodeAttention:
+    """All requests with exactly one query token, attended in one padded batch."""
+
+    query_rows: torch.Tensor  # [B] rows of the flat batch
+    context_slots: torch.Tensor  # [B, max_context] slots, padding points at slot 0
+    mask: torch.Tensor  # [B, 1, 1, max_context] bool, False on padding
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
+    prefills: list[PrefillAttention]
+    decode: DecodeAttention | None
+
+
+@dataclass
+class KVCacheTensors:
+    """The physical KV pool: per layer, one row per slot (slot = block_id * block_size + offset).
+    Keys are stored already rotated (RoPE) at the position they were computed for."""
+
+    keys: list[torch.Tensor]  # num_layers x [num_slots, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_slots: int, dtype, device) -> "KVCacheTensors":
+        shape = (num_slots, config.num_kv_heads, config.head_dim)
+        return cls(
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+        )
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden], q/k/v projections fused
+    out: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate/up projections fused
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights plus a functional forward; holds no per-request state."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed_tokens = w("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                    out=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings or "lm_head.weight" not in weights
+            else w("lm_head.weight")
+        )
+        self.cos, self.sin = rope_tables(config, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: KVCacheTensors,
+    ) -> torch.Tensor:  # [T, hidden]
+        c = self.config
+        cos = self.cos[positions].to(self.dtype)  # [T, 1, D]
+        sin = self.sin[positions].to(self.dtype)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for layer_index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv).split([num_q, num_kv, num_kv], dim=-1)
+            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
+            key_cache.index_copy_(0, meta.slot_mapping, k)
+            value_cache.index_copy_(0, meta.slot_mapping, v)
+            attn = paged_attention(q, k, v, key_cache, value_cache, meta)  # [T, Hq * D]
+            hidden = hidden + F.linear(attn, layer.out)
+            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(hidden, self.norm, c.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        return F.linear(hidden, self.lm_head).float()
+
+
+def rope_tables(config: ModelConfig, device, max_len: int | None = None):
+    """cos/sin of shape [max_len, 1, head_dim] in float32, Hugging Face ("neox") pairing:
+    dimension j rotates with j + head_dim/2."""
+    max_len = max_len or config.max_model_len
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, half, dtype=torch.int64).float() * 2 / config.head_dim)
+    )
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [L, D]
+    return angles.cos()[:, None, :].to(device), angles.sin()[:, None, :].to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in float32 like the reference implementation, then scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] new queries
+    k: torch.Tensor,  # [T, Hkv, D] new keys (already written to the cache)
+    v: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, Hq * D]
+    out = torch.empty_like(q)
+    for p in meta.prefills:
+        rows = slice(p.query_start, p.query_end)
+        query = q[rows].transpose(0, 1)  # [Hq, Lq, D]
+        if p.context_slots is None:
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, Lq, D]
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            keys = key_cache.index_select(0, p.context_slots).transpose(0, 1)  # [Hkv, Lk, D]
+            values = value_cache.index_select(0, p.context_slots).transpose(0, 1)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    d = meta.decode
+    if d is not None:
+        batch, max_context = d.context_slots.shape
+        flat_slots = d.context_slots.reshape(-1)
+        # [B * Lk, Hkv, D] -> [B, Hkv, Lk, D]
+        keys = key_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
+        values = value_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
+        query = q[d.query_rows].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, enable_gqa=True
+        )
+        out[d.query_rows] = o.squeeze(2)
+    return out.flatten(1)

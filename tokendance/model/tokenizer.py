@@ -1,0 +1,94 @@
+"""Tokenizer and chat template, built from GGUF metadata or a Hugging Face folder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+GGUF_CONTROL_TOKEN = 3  # llama.cpp token type of special (control) tokens
+
+# Fallback when a model carries no chat template: ChatML, the format SmolLM2 was trained on.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTokenizer:
+    """Text <-> token ids, plus the model's chat template.
+
+    Special tokens (e.g. `<|im_start|>`) written in text are encoded as single ids, so a rendered
+    chat template tokenizes to what the model was trained on.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+    ):
+        self._tokenizer = tokenizer
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(chat_template or CHATML_TEMPLATE)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True
+    ) -> str:
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def tokenizer_from_gguf_metadata(
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    merges: Sequence[str],
+    pre_tokenizer: str | None,
+) -> Tokenizer:
+    """A byte-level BPE tokenizer ("gpt2" in GGUF terms) from the vocabulary stored in the file."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_tokenizer == "smollm":  # SmolLM splits every digit on its own before byte-level BPE
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(tokens, token_types)
+        if kind == GGUF_CONTROL_TOKEN
+    ]
+    tokenizer.add_special_tokens(specials)
+    return tokenizer

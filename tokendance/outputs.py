@@ -1,0 +1,27 @@
+"""What the engine hands back for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    num_generated_tokens: int
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

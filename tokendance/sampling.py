@@ -1,0 +1,111 @@
+"""Sampling parameters (validated at the edge) and the batched sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tokendance.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. Invalid values raise `InvalidRequestError`.
+
+    temperature 0 is greedy; top_k <= 0 and top_p == 1 disable those filters; max_tokens None
+    means "until the context window is full"; `seed` makes a sampled output reproducible
+    whatever else shares its batches.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    return_logits: bool = False  # attach the float32 logits of every generated position
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in stop),
+               f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = tuple(stop)
+        ids = list(self.stop_token_ids or [])
+        _check(all(_is_int(i) and i >= 0 for i in ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row. Seeded requests own a generator for their
+    whole life, so their draws do not depend on batch composition."""
+
+    def __init__(self, device):
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+    ) -> list[int]:  # logits: [B, vocab] float32
+        tokens = logits.argmax(dim=-1).tolist()
+        for row, (request_id, p) in enumerate(zip(request_ids, params)):
+            if not p.is_greedy:
+                tokens[row] = self._sample_row(logits[row], request_id, p)
+        return tokens
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _sample_row(self, logits: torch.Tensor, request_id: str, p: SamplingParams) -> int:
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))
+
+    def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator | None:
+        if p.seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(p.seed)
+            self._generators[request_id] = generator
+        return generator
