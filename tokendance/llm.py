@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tokendance.config import EngineConfig
 from tokendance.engine.llm_engine import LLMEngine
 from tokendance.errors import InvalidRequestError
+from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
 from tokendance.sampling import SamplingParams
 
@@ -18,15 +19,19 @@ Message = dict[str, str]
 
 
 class LLM:
-    """`LLM(model=None)` loads the default model (SmolLM2-135M-Instruct); keyword arguments are
+    """`LLM(model=None)` loads the default model (SmolLM2-135M-Instruct); `model` may also be a
+    GGUF file, a Hugging Face folder or an already `LoadedModel`. Keyword arguments are
     `EngineConfig` fields (dtype, kv_cache_bytes, block_size, ...)."""
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | LoadedModel | None = None, **engine_args):
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise InvalidRequestError(f"unknown engine arguments: {', '.join(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        if isinstance(model, LoadedModel):
+            self.engine = LLMEngine(EngineConfig(**engine_args), loaded=model)
+        else:
+            self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

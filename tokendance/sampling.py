@@ -40,13 +40,13 @@ class SamplingParams:
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _check(all(isinstance(s, str) and s for s in stop),
+        stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
+        _check(stop is not None and all(isinstance(s, str) and s for s in stop),
                f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = tuple(stop)
-        ids = list(self.stop_token_ids or [])
-        _check(all(_is_int(i) and i >= 0 for i in ids),
-               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        ids = _as_list(self.stop_token_ids)
+        _check(ids is not None and all(_is_int(i) and i >= 0 for i in ids),
+               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(ids)
 
     @property
@@ -57,6 +57,13 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message)
+
+
+def _as_list(value) -> list | None:
+    """None -> [], a list/tuple -> list, anything else -> None (invalid)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else None
 
 
 def _is_int(value) -> bool:

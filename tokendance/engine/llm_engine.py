@@ -19,7 +19,7 @@ from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.kv.manager import KVCacheManager
 from tokendance.model.llama import KVCacheTensors, LlamaModel
-from tokendance.model.loader import load_model
+from tokendance.model.loader import LoadedModel, load_model
 from tokendance.outputs import RequestOutput
 from tokendance.sampling import SamplingParams
 
@@ -27,10 +27,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """`loaded` reuses weights already in memory (several engines over one model)."""
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        loaded = load_model(config.model)
+        loaded = loaded or load_model(config.model)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

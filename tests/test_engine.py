@@ -1,0 +1,185 @@
+"""End-to-end engine behaviour on the real model: prefix caching, preemption, sampling, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import CHAT_QUESTIONS
+from tokendance import (
+    LLM,
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    ModelLoadError,
+    SamplingParams,
+)
+from tokendance.model.llama import KVCacheTensors
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+SYSTEM = (
+    "You are agent Ada in a town simulation. You live on Elm Street, you run the bakery, and you "
+    "like to talk about the weather, the harvest festival and your neighbours' gossip. Keep replies short."
+)
+
+
+def conversations():
+    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs(make_llm):
+    with_cache = make_llm(dtype="float32", enable_prefix_caching=True)
+    without = make_llm(dtype="float32", enable_prefix_caching=False)
+    first_on = with_cache.chat(conversations()[:1], GREEDY)
+    rest_on = with_cache.chat(conversations(), GREEDY)
+    first_off = without.chat(conversations()[:1], GREEDY)
+    rest_off = without.chat(conversations(), GREEDY)
+    assert [o.token_ids for o in first_on + rest_on] == [o.token_ids for o in first_off + rest_off]
+    assert all(o.num_cached_tokens == 0 for o in first_off + rest_off)
+    assert first_on[0].num_cached_tokens == 0
+
+
+def test_cached_token_counts_follow_block_arithmetic(make_llm):
+    block_size = 16
+    llm = make_llm(dtype="bfloat16", block_size=block_size)
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer.encode(llm.render_chat(c)) for c in conversations()]
+    (first,) = llm.generate(prompts[0], GREEDY)
+    assert first.num_cached_tokens == 0
+    outputs = llm.generate(prompts[1:], GREEDY)
+    for prompt, output in zip(prompts[1:], outputs):
+        common = next(i for i, (a, b) in enumerate(zip(prompt, prompts[0])) if a != b)
+        assert output.num_cached_tokens == (common // block_size) * block_size
+    # The same prompt again: every full prompt block hits, and at least one token is computed.
+    (again,) = llm.generate(prompts[0], GREEDY)
+    full_blocks = len(prompts[0]) // block_size
+    assert again.num_cached_tokens == min(full_blocks * block_size, len(prompts[0]) - 1)
+    assert again.token_ids == first.token_ids
+
+
+def test_exactly_cached_prompt_uses_copy_on_write(make_llm):
+    llm = make_llm(dtype="float32", block_size=8)
+    prompt = llm.tokenizer.encode(llm.render_chat(conversations()[0]))
+    prompt = prompt[: (len(prompt) // 8) * 8]  # a whole number of blocks
+    (first,) = llm.generate(prompt, GREEDY)
+    (second,) = llm.generate(prompt, GREEDY)
+    assert second.num_cached_tokens == len(prompt) - 1
+    assert second.token_ids == first.token_ids
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_small_pool_preempts_and_still_matches_a_large_pool(make_llm, loaded_model):
+    bytes_per_block = KVCacheTensors.bytes_per_slot(loaded_model.config, __import__("torch").float32) * 16
+    small = make_llm(dtype="float32", kv_cache_bytes=12 * bytes_per_block, enable_prefix_caching=False)
+    large = make_llm(dtype="float32", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS * 2]
+    got = small.chat(prompts, params)
+    want = large.chat(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.finish_reason == "length" and o.num_generated_tokens == 48 for o in got)
+    assert sum(o.num_preemptions for o in got) > 0
+    assert small.engine.kv.pool.num_used == 0 and not small.engine.has_unfinished
+
+
+def test_request_that_can_never_fit_is_rejected(make_llm, loaded_model):
+    import torch
+
+    bytes_per_block = KVCacheTensors.bytes_per_slot(loaded_model.config, torch.bfloat16) * 16
+    llm = make_llm(kv_cache_bytes=4 * bytes_per_block)
+    with pytest.raises(CapacityError, match="KV blocks"):
+        llm.generate("hello " * 60, SamplingParams(max_tokens=10))
+    (ok,) = llm.generate("hello", SamplingParams(temperature=0, max_tokens=5))
+    assert ok.num_generated_tokens >= 1
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm_fp32):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    conv = [{"role": "user", "content": CHAT_QUESTIONS[1]}]
+    (alone,) = llm_fp32.chat(conv, params)
+    batched = llm_fp32.chat([conv, [{"role": "user", "content": CHAT_QUESTIONS[2]}]],
+                            [params, SamplingParams(temperature=1.0, max_tokens=30)])
+    assert batched[0].token_ids == alone.token_ids
+    other_seed = llm_fp32.chat(conv, SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone.token_ids
+    top1 = llm_fp32.chat(conv, SamplingParams(temperature=0.8, top_k=1, max_tokens=12))[0]
+    greedy = llm_fp32.chat(conv, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_stop_strings_stop_tokens_eos_and_length(llm_fp32):
+    conv = [{"role": "user", "content": CHAT_QUESTIONS[2]}]
+    (base,) = llm_fp32.chat(conv, SamplingParams(temperature=0, max_tokens=40))
+    assert base.finish_reason == "length" and base.num_generated_tokens == 40
+    words = base.text.split()
+    stop = " " + words[5]
+    (stopped,) = llm_fp32.chat(conv, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == base.text[: base.text.index(stop)]
+    third = base.token_ids[2]
+    (by_id,) = llm_fp32.chat(conv, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[third]))
+    assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: base.token_ids.index(third) + 1]
+    short = [{"role": "user", "content": "Say just the word yes."}]
+    (eos,) = llm_fp32.chat(short, SamplingParams(temperature=0, max_tokens=40))
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] in llm_fp32.engine.model_config.eos_token_ids
+    (forced,) = llm_fp32.chat(short, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert forced.finish_reason == "length" and forced.num_generated_tokens == 40
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.5},
+        {"temperature": "hot"},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -3},
+        {"max_tokens": 0},
+        {"max_tokens": 2.5},
+        {"seed": "abc"},
+        {"stop": [""]},
+        {"stop": 5},
+        {"stop_token_ids": [-1]},
+    ],
+)
+def test_invalid_sampling_values_raise_typed_errors(kwargs):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError) and str(info.value)
+
+
+def test_bad_prompts_are_rejected_and_nothing_is_lost(llm_fp32):
+    engine = llm_fp32.engine
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm_fp32.generate("", GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm_fp32.generate(["fine prompt", ""], GREEDY)  # validated before anything is scheduled
+    with pytest.raises(ContextLengthError, match="context window"):
+        llm_fp32.generate([1] * engine.max_model_len, GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm_fp32.generate([[5, 10**9]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="role"):
+        llm_fp32.chat([{"role": "user"}], GREEDY)
+    assert not engine.has_unfinished and engine.kv.pool.num_used == 0
+    (ok,) = llm_fp32.generate("The sky is", GREEDY)
+    assert ok.num_generated_tokens > 0
+
+
+def test_unknown_or_invalid_model_paths_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LLM(str(not_a_model))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="not a model folder"):
+        LLM(str(tmp_path / "empty"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        LLM(str(gpt2))
+    with pytest.raises(InvalidRequestError, match="unknown engine arguments"):
+        LLM(kv_cache_size=5)
