@@ -67,18 +67,19 @@ def test_batched_greedy_generation_is_token_identical(llm_fp32, hf_model):
         assert output.num_generated_tokens >= 8
 
 
-def test_bf16_keeps_the_greedy_choice(make_llm, hf_model, llm_fp32):
+def test_bf16_stays_close_to_the_fp32_reference(make_llm, hf_model):
+    """bf16 (the default dtype) changes the next-token distribution by a KL of ~1e-3; its greedy
+    choice may differ from fp32 only where the reference itself is a near-tie."""
     llm = make_llm(dtype="bfloat16")
     prompts = [llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": q}])) for q in CHAT_QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=1, return_logits=True)
-    agree = 0
     for prompt, output in zip(prompts, llm.generate(prompts, params)):
         ref = reference_logits(hf_model, prompt)[-1]
-        agree += int(output.logits[0].argmax() == ref.argmax())
-        assert torch.nn.functional.kl_div(
-            output.logits[0].log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum"
-        ).item() < 0.05
-    assert agree == len(prompts)
+        ours = output.logits[0]
+        kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
+        assert kl.item() < 0.02
+        margin = ref.max() - ref[ours.argmax()]  # 0 when the greedy choices agree
+        assert margin.item() < 0.1
 
 
 def test_hugging_face_folder_loads_the_same_model(tmp_path, hf_model, llm_fp32):

@@ -120,22 +120,23 @@ class LlamaModel:
         cos = self.cos[positions].to(self.dtype)  # [T, 1, D]
         sin = self.sin[positions].to(self.dtype)
         hidden = F.embedding(input_ids, self.embed_tokens)
-        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        num_qk = (c.num_heads + c.num_kv_heads) * c.head_dim
         for layer_index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv).split([num_q, num_kv, num_kv], dim=-1)
-            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
-            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
+            x = F.rms_norm(hidden, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
+            qk, v = F.linear(x, layer.qkv).split([num_qk, c.num_kv_heads * c.head_dim], dim=-1)
+            # q and k rotated in one pass: [T, Hq + Hkv, D]
+            qk = apply_rope(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(-1, c.num_kv_heads, c.head_dim)
             key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta)  # [T, Hq * D]
             hidden = hidden + F.linear(attn, layer.out)
-            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            x = F.rms_norm(hidden, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        return rms_norm(hidden, self.norm, c.rms_norm_eps)
+        return F.rms_norm(hidden, (c.hidden_size,), self.norm, c.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return F.linear(hidden, self.lm_head).float()
@@ -160,13 +161,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalize in float32 like the reference implementation, then scale in the model dtype.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] new queries
     k: torch.Tensor,  # [T, Hkv, D] new keys (already written to the cache)
@@ -176,17 +170,18 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [T, Hq * D]
     out = torch.empty_like(q)
+    # SDPA gets 4-D inputs: only those take the fused (flash) CPU kernel with GQA.
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_end)
-        query = q[rows].transpose(0, 1)  # [Hq, Lq, D]
+        query = q[rows].transpose(0, 1)[None]  # [1, Hq, Lq, D]
         if p.context_slots is None:
-            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, Lq, D]
+            keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, Hkv, Lq, D]
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:
-            keys = key_cache.index_select(0, p.context_slots).transpose(0, 1)  # [Hkv, Lk, D]
-            values = value_cache.index_select(0, p.context_slots).transpose(0, 1)
+            keys = key_cache.index_select(0, p.context_slots).transpose(0, 1)[None]  # [1, Hkv, Lk, D]
+            values = value_cache.index_select(0, p.context_slots).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, enable_gqa=True)
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
     d = meta.decode
     if d is not None:
         batch, max_context = d.context_slots.shape
