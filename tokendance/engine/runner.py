@@ -45,7 +45,7 @@ class ModelRunner:
         ids = [item.request_id for item in samplers]
         tokens = self.sampler.sample(logits, ids, [item.sampling_params for item in samplers])
         kept = {
-            item.request_id: logits[row]
+            item.request_id: logits[row].float()
             for row, item in enumerate(samplers)
             if item.sampling_params.return_logits
         }
