@@ -37,7 +37,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
         dtype = DTYPES[config.dtype]
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.device)
+        model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens)
         self.bytes_per_block = KVCacheTensors.bytes_per_slot(loaded.config, dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // self.bytes_per_block
         if num_blocks < 1:

@@ -79,13 +79,19 @@ class LayerWeights:
 class LlamaModel:
     """Weights plus a functional forward; holds no per-request state."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device, max_batch_tokens: int = 2048
+    ):
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def packed(tensor: torch.Tensor) -> torch.Tensor:
+            return self.linear.prepare(tensor)
 
         self.embed_tokens = w("model.embed_tokens.weight")
         self.layers = []
@@ -94,19 +100,16 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                    out=w(p + "self_attn.o_proj.weight"),
+                    qkv=packed(torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+                    out=packed(w(p + "self_attn.o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=packed(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                    down=packed(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = w("model.norm.weight")
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings or "lm_head.weight" not in weights
-            else w("lm_head.weight")
-        )
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = packed(self.embed_tokens if tied else w("lm_head.weight"))
         self.cos, self.sin = rope_tables(config, device)
 
     def forward(
@@ -123,7 +126,7 @@ class LlamaModel:
         num_qk = (c.num_heads + c.num_kv_heads) * c.head_dim
         for layer_index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qk, v = linear(x, layer.qkv).split([num_qk, c.num_kv_heads * c.head_dim], dim=-1)
+            qk, v = self.linear(x, layer.qkv).split([num_qk, c.num_kv_heads * c.head_dim], dim=-1)
             # q and k rotated in one pass: [T, Hq + Hkv, D]
             qk = apply_rope(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
@@ -132,14 +135,14 @@ class LlamaModel:
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta)  # [T, Hq * D]
-            hidden = hidden + linear(attn, layer.out)
+            hidden = hidden + self.linear(attn, layer.out)
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + linear(F.silu(gate) * up, layer.down)
+            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + self.linear(F.silu(gate) * up, layer.down)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
-        return linear(hidden, self.lm_head)
+        return self.linear(hidden, self.lm_head)
 
 
 def rope_tables(config: ModelConfig, device, max_len: int | None = None):
@@ -161,11 +164,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # A single row goes through matrix-vector: measured ~25% faster than a 1-row GEMM in bf16.
-    if x.shape[0] == 1:
-        return torch.mv(weight, x[0])[None]
-    return F.linear(x, weight)
+class DenseLinear:
+    """y = x W^T with the weight as an ordinary tensor (any device and dtype)."""
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # A single row goes through matrix-vector: measured ~25% faster than a 1-row GEMM on CPU.
+        if x.shape[0] == 1:
+            return torch.mv(weight, x[0])[None]
+        return F.linear(x, weight)
+
+
+class PackedBF16Linear:
+    """bf16 on CPU: weights reordered once into oneDNN's blocked layout. An unpacked bf16 weight
+    is reordered on every call; packing measured 1.4-1.6x faster from 1 to 512 rows, same results."""
+
+    def __init__(self, max_batch_tokens: int):
+        self.batch_hint = max_batch_tokens
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def choose_linear_kernel(dtype, device, max_batch_tokens: int):
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        return PackedBF16Linear(max_batch_tokens)
+    return DenseLinear()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
