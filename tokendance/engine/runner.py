@@ -57,49 +57,66 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]):
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        write_slots: list[int] = []
         sample_rows: list[int] = []
+        for item in scheduled:
+            if item.sample:
+                sample_rows.append(len(input_ids) + len(item.token_ids) - 1)
+            input_ids.extend(item.token_ids)
+            positions.extend(item.positions)
+            write_slots.extend(item.context_slots[p] for p in item.positions)
+        slot_mapping = self._tensor(write_slots)
+        position_tensor = self._tensor(positions)
+        # Record where each written key is rotated for, before reading shifts below.
+        self.kv_cache.positions.index_copy_(0, slot_mapping, position_tensor)
         prefills: list[PrefillAttention] = []
         decode_rows: list[int] = []
         decode_slots: list[list[int]] = []
+        row = 0
         for item in scheduled:
-            row = len(input_ids)
             num_new = len(item.token_ids)
-            end = item.start_position + num_new
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, end))
-            slot_mapping.extend(item.context_slots[item.start_position : end])
-            if item.sample:
-                sample_rows.append(row + num_new - 1)
-            if num_new == 1 and item.start_position > 0:
+            is_decode = num_new == 1 and item.positions[0] == len(item.context_slots) - 1 > 0
+            if is_decode:
                 decode_rows.append(row)
                 decode_slots.append(item.context_slots)
             else:
                 prefills.append(self._prefill_attention(item, row))
+            row += num_new
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
+            slot_mapping=slot_mapping,
             prefills=prefills,
             decode=self._decode_attention(decode_rows, decode_slots) if decode_rows else None,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows)
+        return self._tensor(input_ids), position_tensor, meta, self._tensor(sample_rows)
 
     def _prefill_attention(self, item: ScheduledRequest, row: int) -> PrefillAttention:
         num_new = len(item.token_ids)
-        if item.start_position == 0:
+        num_context = len(item.context_slots)
+        if num_new == num_context:  # the new tokens are the whole context: plain causal attention
             return PrefillAttention(row, row + num_new, None, None)
-        num_context = item.start_position + num_new
-        query_positions = torch.arange(item.start_position, num_context, device=self.device)
+        query_positions = self._tensor(list(item.positions))
         key_positions = torch.arange(num_context, device=self.device)
         mask = key_positions[None, :] <= query_positions[:, None]  # [Lq, Lk] causal
-        return PrefillAttention(row, row + num_new, self._tensor(item.context_slots), mask)
+        slots = self._tensor(item.context_slots)
+        return PrefillAttention(row, row + num_new, slots, mask, self._rotation(slots, key_positions))
 
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]
         width = max(lengths)
-        padded = [s + [0] * (width - len(s)) for s in slots]
-        length_tensor = self._tensor(lengths)
-        mask = torch.arange(width, device=self.device)[None, :] < length_tensor[:, None]  # [B, Lk]
-        return DecodeAttention(self._tensor(rows), self._tensor(padded), mask[:, None, None, :])
+        padded = self._tensor([s + [0] * (width - len(s)) for s in slots])
+        key_positions = torch.arange(width, device=self.device)
+        mask = key_positions[None, :] < self._tensor(lengths)[:, None]  # [B, Lk]
+        rotation = self._rotation(padded, key_positions[None, :].expand_as(padded), mask)
+        return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :], rotation)
+
+    def _rotation(self, slots: torch.Tensor, key_positions: torch.Tensor, valid=None):
+        """RoPE corrections for keys stored at other positions than they are read (shared KV)."""
+        shift = key_positions - self.kv_cache.positions[slots]
+        if valid is not None:
+            shift = shift.masked_fill(~valid, 0)
+        if not bool(shift.any()):
+            return None
+        return self.model.key_rotation(shift)
 
     def _copy_blocks(self, copies) -> None:
         if not copies:

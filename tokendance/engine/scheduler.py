@@ -13,15 +13,16 @@ from tokendance.sampling import SamplingParams
 
 @dataclass
 class ScheduledRequest:
-    """Plain data for the runner: compute `token_ids` at positions start_position.. and attend
-    over `context_slots` (one slot per position, through the last new token)."""
+    """Plain data for the runner: compute `token_ids` at `positions` (increasing; each token's
+    K/V goes to context_slots[position]) and attend causally over `context_slots`, one slot per
+    position from 0 through the last new token."""
 
     request_id: str
     token_ids: list[int]
-    start_position: int
+    positions: list[int] | range
     context_slots: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Scheduler:
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_ids[start:end],
-                start_position=start,
+                positions=range(start, end),
                 context_slots=self.kv.get_slots(request.request_id)[:end],
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,

@@ -1,8 +1,9 @@
-"""Per-request block tables over one `BlockPool`: allocation, prefix-cache hits, copy-on-write."""
+"""Per-request block tables over one `BlockPool`: allocation, prefix-cache hits, copy-on-write,
+and tables that point at blocks other tables own (agent sessions, master/mirror sharing)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokendance.kv.block_pool import BlockPool
@@ -11,17 +12,22 @@ from tokendance.kv.hashing import BlockHash, extend_block_hashes
 
 @dataclass
 class RequestKV:
-    """One request's view of the pool.
+    """One table: which physical slot holds each token's KV.
 
-    `slots[i]` is the physical slot of token i (slot = block_id * block_size + offset). Token
-    positions and physical slots are decoupled on purpose: a table may point at slots of blocks
-    that other requests hold at other positions.
+    `slots[i]` is the slot of token i (slot = block_id * block_size + offset). Positions and slots
+    are decoupled: a table may point at slots of blocks that other tables hold, written for other
+    positions (keys are rotated to the reader's position when read). `block_ids` are the blocks
+    this table holds one reference on; `spare` are slots of its private blocks not yet used.
+    A table is `regular` while token i sits at offset i % block_size of block_ids[i // block_size]
+    (plain requests); only regular tables take part in prefix caching.
     """
 
-    block_ids: list[int] = field(default_factory=list)  # held blocks (one reference each)
+    block_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    spare: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the request's full blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    regular: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class KVCacheManager:
             block_ids.append(block_id)
         return PrefixHit(block_ids, hashes)
 
+    def has(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     def get_slots(self, request_id: str) -> list[int]:
         return self.requests[request_id].slots
 
@@ -74,6 +83,9 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_of(self, slot: int) -> int:
+        return slot // self.block_size
+
     # ------------------------------------------------------------ allocation
 
     def _plan(
@@ -81,10 +93,14 @@ class KVCacheManager:
     ) -> tuple[int, bool]:
         """(free blocks this allocation consumes, whether the first written block needs a copy)."""
         kv = self.requests.get(request_id)
-        held = len(kv.block_ids) if kv else len(hit.block_ids)
-        num_free_hits = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0) if not kv else 0
+        if kv is None:
+            have = len(hit.block_ids) * self.block_size
+            num_free_hits = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0)
+        else:
+            have = len(kv.slots) + len(kv.spare)
+            num_free_hits = 0
         needs_copy = self._written_block_is_shared(kv, hit, num_computed_tokens)
-        new_blocks = max(0, self.num_blocks_needed(num_tokens) - held)
+        new_blocks = self.num_blocks_needed(max(0, num_tokens - have))
         return new_blocks + num_free_hits + int(needs_copy), needs_copy
 
     def can_allocate(
@@ -107,24 +123,23 @@ class KVCacheManager:
         if kv is None:
             kv = self.requests[request_id] = RequestKV()
             self.pool.acquire(hit.block_ids)
-            self._append_blocks(kv, hit.block_ids)
+            kv.block_ids.extend(hit.block_ids)
+            kv.slots.extend(self._block_slots(hit.block_ids))
             kv.block_hashes = list(hit.block_hashes)
             kv.num_registered_blocks = len(hit.block_ids)
         copies = []
         if needs_copy:
             copies.append(self._copy_on_write(kv, num_computed_tokens // self.block_size))
-        missing = self.num_blocks_needed(num_tokens) - len(kv.block_ids)
-        if missing > 0:
-            self._append_blocks(kv, self.pool.allocate(missing))
+        self._grow(kv, num_tokens)
         return copies
 
     def register_computed_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, namespace: str
     ) -> None:
         """Offer the request's fully computed blocks to the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         kv = self.requests[request_id]
+        if not self.enable_prefix_caching or not kv.regular:
+            return
         num_full = num_computed_tokens // self.block_size
         if num_full <= kv.num_registered_blocks:
             return
@@ -138,11 +153,87 @@ class KVCacheManager:
         if kv is not None:
             self.pool.release(reversed(kv.block_ids))
 
+    # ------------------------------------------------------------ shared tables
+
+    def create_table(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise KeyError(f"table {request_id!r} exists")
+        self.requests[request_id] = RequestKV(regular=False)
+
+    def append_shared_slots(self, request_id: str, slots: Sequence[int]) -> None:
+        """Point the next tokens of a table at slots of blocks held elsewhere (a mirror of a master);
+        the table takes one reference on each block it did not hold yet."""
+        kv = self.requests[request_id]
+        kv.regular = False
+        held = set(kv.block_ids)
+        for slot in slots:
+            block_id = slot // self.block_size
+            if block_id not in held:
+                held.add(block_id)
+                kv.block_ids.append(block_id)
+                self.pool.acquire([block_id])
+        kv.slots.extend(slots)
+
+    def append_private_slots(self, request_id: str, count: int) -> list[int] | None:
+        """Give the next `count` tokens fresh slots in the table's own blocks (None if the pool is
+        too small; nothing changed)."""
+        kv = self.requests[request_id]
+        missing = self.num_blocks_needed(max(0, count - len(kv.spare)))
+        if missing > self.pool.num_free:
+            return None
+        start = len(kv.slots)
+        self._grow(kv, start + count)
+        return kv.slots[start:]
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens; release blocks nothing kept points at."""
+        kv = self.requests[request_id]
+        if num_tokens >= len(kv.slots):
+            return
+        kv.slots = kv.slots[:num_tokens]
+        kv.spare = []
+        kv.block_hashes = kv.block_hashes[: num_tokens // self.block_size]
+        kv.num_registered_blocks = min(kv.num_registered_blocks, len(kv.block_hashes))
+        needed = {slot // self.block_size for slot in kv.slots}
+        dropped = [b for b in kv.block_ids if b not in needed]
+        kv.block_ids = [b for b in kv.block_ids if b in needed]
+        self.pool.release(reversed(dropped))
+
+    def rename(self, request_id: str, new_id: str) -> None:
+        if new_id in self.requests:
+            raise KeyError(f"table {new_id!r} exists")
+        self.requests[new_id] = self.requests.pop(request_id)
+
+    def num_private_blocks(self, request_id: str) -> int:
+        """Blocks only this table holds."""
+        return sum(1 for b in self.requests[request_id].block_ids if self.pool.ref_counts[b] == 1)
+
+    def held_blocks(self, request_ids: Iterable[str]) -> set[int]:
+        return {b for r in request_ids for b in self.requests[r].block_ids}
+
     # ------------------------------------------------------------ internals
+
+    def _grow(self, kv: RequestKV, num_tokens: int) -> None:
+        need = num_tokens - len(kv.slots)
+        if need <= 0:
+            return
+        missing = self.num_blocks_needed(max(0, need - len(kv.spare)))
+        if missing:
+            new_blocks = self.pool.allocate(missing)
+            kv.block_ids.extend(new_blocks)
+            kv.spare.extend(self._block_slots(new_blocks))
+        kv.slots.extend(kv.spare[:need])
+        del kv.spare[:need]
+
+    def _block_slots(self, block_ids: Sequence[int]) -> list[int]:
+        size = self.block_size
+        return [s for b in block_ids for s in range(b * size, (b + 1) * size)]
 
     def _written_block_is_shared(
         self, kv: RequestKV | None, hit: PrefixHit, num_computed_tokens: int
     ) -> bool:
+        if kv is not None and not kv.regular:
+            return False  # irregular tables only ever write into their own fresh slots
         index = num_computed_tokens // self.block_size
         block_ids = kv.block_ids if kv else hit.block_ids
         if index >= len(block_ids):
@@ -160,9 +251,3 @@ class KVCacheManager:
             kv.slots[i] = new_block * self.block_size + (i - start)
         kv.num_registered_blocks = min(kv.num_registered_blocks, index)
         return old_block, new_block
-
-    def _append_blocks(self, kv: RequestKV, block_ids: Sequence[int]) -> None:
-        size = self.block_size
-        for block_id in block_ids:
-            kv.block_ids.append(block_id)
-            kv.slots.extend(range(block_id * size, (block_id + 1) * size))
