@@ -14,7 +14,7 @@ import torch
 
 from tokendance.config import EngineConfig
 from tokendance.engine.request import Request, RequestStatus
-from tokendance.engine.runner import ModelRunner
+from tokendance.model.runner import ModelRunner
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.kv.manager import KVCacheManager

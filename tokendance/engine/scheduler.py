@@ -4,36 +4,10 @@ preemption by recomputation when KV blocks run out."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.kv.manager import NO_HIT, BlockCopy, KVCacheManager
-from tokendance.sampling import SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """Plain data for the runner: compute `token_ids` at `positions` (increasing; each token's
-    K/V goes to context_slots[position]) and attend causally over `context_slots`, one slot per
-    position from 0 through the last new token."""
-
-    request_id: str
-    token_ids: list[int]
-    positions: list[int] | range
-    context_slots: list[int]
-    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams | None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from tokendance.model.runner import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

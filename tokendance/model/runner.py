@@ -1,20 +1,46 @@
-"""Model runner: plain scheduler data in, tensors through the model, sampled token ids out."""
+"""Model runner: plain batch data in, tensors through the model, sampled token ids out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokendance.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tokendance.kv.manager import BlockCopy
 from tokendance.model.llama import (
     AttentionMetadata,
     DecodeAttention,
     KVCacheTensors,
     LlamaModel,
     PrefillAttention,
+    apply_rope,
 )
-from tokendance.sampling import Sampler
+from tokendance.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """Plain data for the runner: compute `token_ids` at `positions` (increasing; each token's
+    K/V goes to context_slots[position]) and attend causally over `context_slots`, one slot per
+    position from 0 through the last new token."""
+
+    request_id: str
+    token_ids: list[int]
+    positions: list[int] | range
+    context_slots: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams | None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 
 @dataclass
@@ -35,9 +61,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self._copy_blocks(out.block_copies)
-        input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        hidden, sample_rows = self._forward(out)
         samplers = [item for item in out.scheduled if item.sample]
         if not samplers:
             return RunnerOutput({}, {})
@@ -50,6 +74,37 @@ class ModelRunner:
             if item.sampling_params.return_logits
         }
         return RunnerOutput(dict(zip(ids, tokens)), kept)
+
+    @torch.inference_mode()
+    def compute_kv(self, out: SchedulerOutput, num_layers: int | None = None) -> None:
+        """Only fill the KV of the scheduled tokens (in the first `num_layers` layers)."""
+        self._forward(out, num_layers)
+
+    @torch.inference_mode()
+    def read_keys(self, layer: int, slots: list[int], read_positions: list[int]) -> torch.Tensor:
+        """Keys of `slots` at `layer` as seen from `read_positions`: [N, Hkv, D] float32."""
+        slot_tensor = self._tensor(slots)
+        shift = self._tensor(read_positions) - self.kv_cache.positions[slot_tensor]
+        keys = self.kv_cache.keys[layer].index_select(0, slot_tensor).float()
+        rotation = self.model.key_rotation(shift)
+        return apply_rope(keys, rotation.cos, rotation.sin)
+
+    @torch.inference_mode()
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int], dst_positions: list[int]) -> None:
+        """Copy KV between slots, rotating keys to `dst_positions` (a position-corrected copy)."""
+        src, dst = self._tensor(src_slots), self._tensor(dst_slots)
+        positions = self._tensor(dst_positions)
+        rotation = self.model.key_rotation(positions - self.kv_cache.positions[src])
+        for keys, values in zip(self.kv_cache.keys, self.kv_cache.values):
+            rotated = apply_rope(keys.index_select(0, src).float(), rotation.cos, rotation.sin)
+            keys.index_copy_(0, dst, rotated.to(keys.dtype))
+            values.index_copy_(0, dst, values.index_select(0, src))
+        self.kv_cache.positions.index_copy_(0, dst, positions)
+
+    def _forward(self, out: SchedulerOutput, num_layers: int | None = None):
+        self._copy_blocks(out.block_copies)
+        input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, num_layers), sample_rows
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
