@@ -1,6 +1,7 @@
 """TokenDance: a serving engine for multi-agent LLM applications."""
 
 from tokendance.config import EngineConfig
+from tokendance.engine.rounds import RoundResult, RoundStats
 from tokendance.errors import (
     CapacityError,
     ContextLengthError,
@@ -10,12 +11,17 @@ from tokendance.errors import (
 )
 from tokendance.llm import LLM
 from tokendance.outputs import RequestOutput
+from tokendance.reuse.segments import AgentTurn, Segment
 from tokendance.sampling import SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "RequestOutput",
+    "AgentTurn",
+    "Segment",
+    "RoundResult",
+    "RoundStats",
     "EngineConfig",
     "TokenDanceError",
     "InvalidRequestError",

@@ -41,6 +41,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
+    # Rounds (LLM.run_round): how shared spans are reused; see tokendance/engine/rounds.py.
+    reuse: str = "prefix"  # "full" | "prefix" | "pic" | "tokendance"
+    recompute_ratio: float = 0.15
+    selection: str = "cacheblend"  # "cacheblend" | "cacheblend-block" | "epic"
+    check_layer: int = 1
+    collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

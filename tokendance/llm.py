@@ -12,6 +12,8 @@ from tokendance.engine.llm_engine import LLMEngine
 from tokendance.errors import InvalidRequestError
 from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
+from tokendance.engine.rounds import RoundResult
+from tokendance.reuse.segments import AgentTurn, validate_messages
 from tokendance.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -62,6 +64,15 @@ class LLM:
         validate_messages(messages)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
+    def run_round(self, turns: Sequence[AgentTurn], sampling_params: SamplingParams | None = None) -> RoundResult:
+        """Run one round of agent turns together; agents keep their KV between rounds (sessions)
+        and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order."""
+        return self.engine.rounds.run(turns, sampling_params or SamplingParams())
+
+    def end_agent(self, agent_id: str) -> bool:
+        """Drop an agent's session (its KV); False if it had none."""
+        return self.engine.rounds.end_agent(agent_id)
+
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         order = {r.request_id: i for i, r in enumerate(requests)}
         for request in requests:
@@ -74,14 +85,6 @@ class LLM:
                         results[order[output.request_id]] = output
                         bar.update(1)
         return results
-
-
-def validate_messages(messages) -> None:
-    if not isinstance(messages, Sequence) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}")
 
 
 def _as_prompt_batch(prompts) -> list[Prompt]:

@@ -27,7 +27,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
-    return_logits: bool = False  # attach the float32 logits of every generated position
+    return_logits: bool | int = False  # attach float32 logits: True = every generated position, k = the first k
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +48,8 @@ class SamplingParams:
         _check(ids is not None and all(_is_int(i) and i >= 0 for i in ids),
                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(ids)
+        _check(isinstance(self.return_logits, bool) or (_is_int(self.return_logits) and self.return_logits >= 0),
+               f"return_logits must be a bool or a count >= 0, got {self.return_logits!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from tokendance.config import EngineConfig
 from tokendance.engine.request import Request, RequestStatus
+from tokendance.engine.rounds import RoundRunner
 from tokendance.model.runner import ModelRunner
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
@@ -45,9 +46,17 @@ class LLMEngine:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {self.bytes_per_block} bytes"
             )
         kv_tensors = KVCacheTensors.allocate(loaded.config, num_blocks * config.block_size, dtype, config.device)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        prefix_caching = config.enable_prefix_caching and config.reuse != "full"
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, reclaim=lambda: self.rounds.reclaim()
+        )
         self.runner = ModelRunner(model, kv_tensors, config.block_size)
+        if not 0 <= config.check_layer < loaded.config.num_layers:
+            raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
+        self.rounds = RoundRunner(
+            self, config.reuse, config.selection, config.recompute_ratio, config.check_layer, config.collective_selection
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -134,7 +143,10 @@ class LLMEngine:
         result = self.runner.execute(out)
         now = time.perf_counter()
         for request_id, logits in result.logits.items():
-            self.requests[request_id].logits.append(logits)
+            request = self.requests[request_id]
+            wanted = request.sampling_params.return_logits
+            if wanted is True or len(request.logits) < wanted:
+                request.logits.append(logits)
         advanced = self.scheduler.update_from_output(out, result.sampled, self.requests)
         outputs = []
         for request in advanced:

@@ -36,6 +36,7 @@ class Request:
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a matched stop string starts in the output text
     logits: list = field(default_factory=list)  # per generated token, if return_logits
+    retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

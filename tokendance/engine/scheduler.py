@@ -4,6 +4,7 @@ preemption by recomputation when KV blocks run out."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.kv.manager import NO_HIT, BlockCopy, KVCacheManager
@@ -13,8 +14,17 @@ from tokendance.model.runner import ScheduledRequest, SchedulerOutput
 class Scheduler:
     """Owns request state. Running requests keep arrival order: the newest is preempted first."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        reclaim: Callable[[], bool] = lambda: False,
+    ):
+        """`reclaim` frees idle KV held outside requests (e.g. an idle agent session) and says
+        whether it freed anything; it is tried before preempting a running request."""
         self.kv = kv
+        self.reclaim = reclaim
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -46,13 +56,14 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self.kv.find_prefix_hit(request.token_ids, request.namespace)
-            # A fully cached prompt still computes its last token (for the next-token logits).
-            num_computed = min(hit.num_tokens(self.kv.block_size), request.num_tokens - 1)
+            if self.kv.has(request.request_id):  # prepared by a round prefill: table and count set
+                hit, num_computed = NO_HIT, request.num_computed_tokens
+            else:
+                hit = self.kv.find_prefix_hit(request.token_ids, request.namespace)
+                # A fully cached prompt still computes its last token (for the next-token logits).
+                num_computed = min(hit.num_tokens(self.kv.block_size), request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
-            copies = self.kv.allocate_slots(
-                request.request_id, num_computed + num_new, num_computed, hit
-            )
+            copies = self._allocate(request, num_computed + num_new, num_computed, hit)
             if copies is None:
                 break
             self.waiting.popleft()
@@ -69,11 +80,8 @@ class Scheduler:
         """Allocate the request's next tokens, preempting the newest running requests until it
         fits. Returns None if the request had to preempt itself."""
         while True:
-            copies = self.kv.allocate_slots(
-                request.request_id,
-                request.num_computed_tokens + num_new,
-                request.num_computed_tokens,
-                NO_HIT,
+            copies = self._allocate(
+                request, request.num_computed_tokens + num_new, request.num_computed_tokens, NO_HIT
             )
             if copies is not None:
                 return copies
@@ -81,6 +89,12 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _allocate(self, request: Request, num_tokens: int, num_computed: int, hit) -> list[BlockCopy] | None:
+        while True:
+            copies = self.kv.allocate_slots(request.request_id, num_tokens, num_computed, hit)
+            if copies is not None or not self.reclaim():
+                return copies
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -135,6 +149,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if request.retain_kv and reason != "abort":
+            self.kv.truncate(request.request_id, request.num_computed_tokens)
+        else:
+            self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -102,7 +102,7 @@ class ModelRunner:
         self.kv_cache.positions.index_copy_(0, dst, positions)
 
     def _forward(self, out: SchedulerOutput, num_layers: int | None = None):
-        self._copy_blocks(out.block_copies)
+        self.copy_blocks(out.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
         return self.model.forward(input_ids, positions, meta, self.kv_cache, num_layers), sample_rows
 
@@ -173,7 +173,7 @@ class ModelRunner:
             return None
         return self.model.key_rotation(shift)
 
-    def _copy_blocks(self, copies) -> None:
+    def copy_blocks(self, copies) -> None:
         if not copies:
             return
         size = self.block_size

@@ -1,0 +1,299 @@
+"""Rounds of agent turns: agent sessions, the reuse modes, and round statistics.
+
+A round is a set of agent turns submitted together. The mode decides how each agent's prompt KV
+is prepared before the scheduler computes its last token and decodes:
+
+- full:       nothing reused (no prefix caching, no sessions)
+- prefix:     automatic prefix caching only (the vLLM baseline)
+- pic:        prefix caching + per-request position-independent reuse of shared spans (CacheBlend)
+- tokendance: agent sessions + the KV Collector with Master-Mirror tables
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokendance.engine.request import Request
+from tokendance.errors import CapacityError, InvalidRequestError
+from tokendance.outputs import RequestOutput
+from tokendance.reuse.collector import AgentPrefill, KVCollector, PerRequestReuse, PrefillReport, RoundKV
+from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
+from tokendance.reuse.selection import make_selector
+from tokendance.sampling import SamplingParams
+
+REUSE_MODES = ("full", "prefix", "pic", "tokendance")
+
+
+@dataclass
+class Session:
+    """An agent's KV kept between rounds: a table holding `token_ids` (prompt + output so far)."""
+
+    table_id: str
+    token_ids: list[int]
+    last_round: int
+
+
+@dataclass
+class AgentKVStats:
+    agent_id: str
+    logical_tokens: int  # tokens in the agent's table
+    private_blocks: int  # blocks no other agent of the round holds
+    diff_blocks: int  # private blocks holding tokens of shared spans (the mirror's diff)
+    kv_bytes: float  # private blocks + shared blocks split evenly among their holders
+
+
+@dataclass
+class RoundStats:
+    round_index: int
+    mode: str
+    num_agents: int
+    round_seconds: float = 0.0  # until every agent has its whole output
+    prefill_seconds: float = 0.0  # round TTFT: until every agent has its first token
+    decode_seconds: float = 0.0
+    lookup_seconds: float = 0.0  # base KV of shared spans (+ position-corrected copies in pic)
+    selection_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    private_prefill_seconds: float = 0.0  # the rest of the prefill (scheduler-side)
+    prompt_tokens: int = 0
+    computed_tokens: float = 0.0  # prefill tokens computed, in full-model token equivalents
+    reused_tokens: int = 0  # shared-span tokens served from shared KV
+    recomputed_tokens: int = 0  # shared-span tokens selected for recompute
+    logical_kv_tokens: int = 0
+    physical_kv_blocks: int = 0
+    physical_kv_tokens: int = 0
+    kv_bytes: int = 0
+    kv_bytes_per_agent: float = 0.0
+    compression: float = 0.0  # logical KV tokens / physical KV tokens (blocks x block size)
+    shared_logical_tokens: int = 0  # tokens of shared spans over all agents
+    shared_physical_tokens: int = 0  # distinct slots holding them (master + diffs)
+    shared_compression: float = 0.0
+    diff_blocks: int = 0
+    agents: list[AgentKVStats] = field(default_factory=list)
+
+
+@dataclass
+class RoundResult:
+    outputs: list[RequestOutput]  # in the order of the turns
+    stats: RoundStats
+
+
+class RoundRunner:
+    """Runs rounds on an engine and owns its agent sessions (tokendance mode)."""
+
+    def __init__(self, engine, mode: str, selection: str, recompute_ratio: float,
+                 check_layer: int, collective_scope: str):
+        if mode not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {mode!r}")
+        if collective_scope not in ("agent", "block"):
+            raise InvalidRequestError(f"collective_selection must be 'agent' or 'block', got {collective_scope!r}")
+        self.engine = engine
+        self.mode = mode
+        self.round_kv = RoundKV(
+            engine.kv, engine.runner, make_selector(selection, recompute_ratio), check_layer,
+            engine.config.max_num_batched_tokens, self.reclaim,
+        )
+        self.strategy = KVCollector(self.round_kv, collective_scope) if mode == "tokendance" else PerRequestReuse(self.round_kv)
+        self.sessions: dict[str, Session] = {}
+        self.active: set[str] = set()
+        self.round_index = 0
+        self.num_evictions = 0
+        self._finished_tables: list[str] = []
+
+    # ------------------------------------------------------------ sessions
+
+    def reclaim(self) -> bool:
+        """Free KV nobody is computing with: the least recently used idle session first, then the
+        kept tables of this round's agents that already finished (their statistics and session
+        are lost, never their output). False if there is nothing left to free."""
+        idle = [s for agent, s in self.sessions.items() if agent not in self.active]
+        if not idle:
+            while self._finished_tables:
+                table_id = self._finished_tables.pop()
+                if self.engine.kv.has(table_id):
+                    self.engine.kv.free(table_id)
+                    self.num_evictions += 1
+                    return True
+            return False
+        victim = min(idle, key=lambda s: s.last_round)
+        agent = next(a for a, s in self.sessions.items() if s is victim)
+        self.end_agent(agent)
+        self.num_evictions += 1
+        return True
+
+    def end_agent(self, agent_id: str) -> bool:
+        session = self.sessions.pop(agent_id, None)
+        if session is None:
+            return False
+        self.engine.kv.free(session.table_id)
+        return True
+
+    # ------------------------------------------------------------ a round
+
+    def run(self, turns: Sequence[AgentTurn], params: SamplingParams) -> RoundResult:
+        tokenized = self._validate(turns, params)
+        requests = [
+            self.engine.make_request(t.token_ids, params, request_id=f"round{self.round_index}:{t.agent_id}", namespace=t.namespace)
+            for t in tokenized
+        ]
+        stats = RoundStats(self.round_index, self.mode, len(turns))
+        self.active = {t.agent_id for t in tokenized}
+        started = time.perf_counter()
+        try:
+            agents, report = self._prefill(requests, tokenized)
+        except BaseException:
+            for request in requests:
+                self.engine.kv.free(request.request_id)
+            self.round_kv.release_masters()
+            self.active = set()
+            raise
+        for request in requests:
+            request.retain_kv = True
+            self.engine.add(request)
+        outputs = self._drain({r.request_id for r in requests})
+        results = [outputs[r.request_id] for r in requests]
+        self._fill_times(stats, report, results, started)
+        self._fill_kv(stats, requests, tokenized, report)
+        self._finish_round(requests, tokenized)
+        return RoundResult(results, stats)
+
+    def _validate(self, turns, params) -> list[TokenizedTurn]:
+        if not isinstance(turns, Sequence) or isinstance(turns, str) or not turns:
+            raise InvalidRequestError("a round needs a non-empty list of AgentTurn")
+        if not all(isinstance(t, AgentTurn) for t in turns):
+            raise InvalidRequestError("every turn of a round must be an AgentTurn")
+        ids = [t.agent_id for t in turns]
+        duplicates = sorted({a for a in ids if ids.count(a) > 1})
+        if duplicates:
+            raise InvalidRequestError(f"duplicate agent ids in the round: {', '.join(map(str, duplicates))}")
+        if not all(isinstance(a, str) and a for a in ids):
+            raise InvalidRequestError("agent ids must be non-empty strings")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be SamplingParams")
+        return tokenize_round(self.engine.tokenizer, turns)
+
+    def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]):
+        if self.mode in ("full", "prefix"):
+            return [], PrefillReport()
+        agents = [self._open_table(r, t) for r, t in zip(requests, tokenized)]
+        report = self.strategy.prefill(agents)
+        for request, agent in zip(requests, agents):
+            request.num_computed_tokens = agent.num_prepared
+            reused = sum(agent.turn.spans[i].end - agent.turn.spans[i].start - len(agent.selected.get(i, ())) for i in agent.reused_spans)
+            request.num_cached_tokens = agent.num_reused_prefix + reused
+        return agents, report
+
+    def _open_table(self, request: Request, turn: TokenizedTurn) -> AgentPrefill:
+        """The agent's table with the prefix its session (tokendance) or the prefix cache (pic)
+        already holds; pic tables also get private slots for the whole prompt."""
+        kv, prepared = self.engine.kv, request.num_tokens - 1
+        if self.mode == "tokendance":
+            session = self.sessions.pop(turn.agent_id, None)
+            if session is None:
+                kv.create_table(request.request_id)
+                return AgentPrefill(request.request_id, turn, 0)
+            common = _common_prefix(session.token_ids, turn.token_ids, prepared)
+            kv.rename(session.table_id, request.request_id)
+            kv.truncate(request.request_id, common)
+            return AgentPrefill(request.request_id, turn, common)
+        hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
+        cached = min(hit.num_tokens(kv.block_size), prepared)
+        while True:
+            copies = kv.allocate_slots(request.request_id, prepared, cached, hit)
+            if copies is not None:
+                break
+            if not self.reclaim():
+                raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
+        self.engine.runner.copy_blocks(copies)
+        return AgentPrefill(request.request_id, turn, cached)
+
+    def _drain(self, request_ids: set[str]) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(request_ids):
+            for output in self.engine.step():
+                if output.finished and output.request_id in request_ids:
+                    done[output.request_id] = output
+                    self._finished_tables.append(output.request_id)
+        return done
+
+    def _finish_round(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> None:
+        for request, turn in zip(requests, tokenized):
+            if not self.engine.kv.has(request.request_id):
+                continue  # aborted
+            if self.mode == "tokendance":
+                table_id = f"session:{turn.agent_id}"
+                self.engine.kv.rename(request.request_id, table_id)
+                computed = request.token_ids[: request.num_computed_tokens]
+                self.sessions[turn.agent_id] = Session(table_id, computed, self.round_index)
+            else:
+                self.engine.kv.free(request.request_id)
+        self.round_kv.release_masters()
+        self.active = set()
+        self._finished_tables = []
+        self.round_index += 1
+
+    # ------------------------------------------------------------ statistics
+
+    def _fill_times(self, stats: RoundStats, report: PrefillReport, outputs: list[RequestOutput], started: float) -> None:
+        stats.prefill_seconds = max(o.first_token_time for o in outputs) - started
+        stats.round_seconds = max(o.finish_time for o in outputs) - started
+        stats.decode_seconds = stats.round_seconds - stats.prefill_seconds
+        stats.lookup_seconds = report.lookup_seconds
+        stats.selection_seconds = report.selection_seconds
+        stats.recompute_seconds = report.recompute_seconds
+        stats.private_prefill_seconds = max(
+            0.0, stats.prefill_seconds - report.lookup_seconds - report.selection_seconds - report.recompute_seconds
+        )
+        stats.prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
+        if self.mode in ("full", "prefix"):
+            scheduler_side = sum(o.num_prompt_tokens - o.num_cached_tokens for o in outputs)
+        else:  # the round prefill prepared all but the last prompt token
+            scheduler_side = len(outputs)
+        stats.computed_tokens = report.computed_tokens + scheduler_side
+        stats.reused_tokens = report.reused_tokens
+        stats.recomputed_tokens = report.recomputed_tokens
+
+    def _fill_kv(self, stats: RoundStats, requests: list[Request], tokenized: list[TokenizedTurn], report) -> None:
+        kv = self.engine.kv
+        tables = [r.request_id for r in requests if kv.has(r.request_id)]
+        holders: dict[int, int] = {}
+        for table in tables:
+            for block in kv.get_block_ids(table):
+                holders[block] = holders.get(block, 0) + 1
+        bytes_per_block = self.engine.bytes_per_block
+        shared_slots: set[int] = set()
+        for request, turn in zip(requests, tokenized):
+            if not kv.has(request.request_id):
+                continue
+            slots = kv.get_slots(request.request_id)
+            span_slots = [slots[p] for s in turn.shared_spans for p in range(s.start, min(s.end, len(slots)))]
+            stats.shared_logical_tokens += len(span_slots)
+            shared_slots.update(span_slots)
+            blocks = kv.get_block_ids(request.request_id)
+            private = {b for b in blocks if holders[b] == 1}
+            stats.agents.append(AgentKVStats(
+                agent_id=turn.agent_id,
+                logical_tokens=len(slots),
+                private_blocks=len(private),
+                diff_blocks=len({kv.block_of(s) for s in span_slots} & private),
+                kv_bytes=sum(bytes_per_block / holders[b] for b in blocks),
+            ))
+        stats.logical_kv_tokens = sum(a.logical_tokens for a in stats.agents)
+        stats.physical_kv_blocks = len(holders)
+        stats.physical_kv_tokens = len(holders) * kv.block_size
+        stats.kv_bytes = len(holders) * bytes_per_block
+        stats.kv_bytes_per_agent = stats.kv_bytes / max(1, len(stats.agents))
+        stats.compression = stats.logical_kv_tokens / max(1, stats.physical_kv_tokens)
+        stats.shared_physical_tokens = len(shared_slots)
+        stats.shared_compression = stats.shared_logical_tokens / max(1, stats.shared_physical_tokens)
+        stats.diff_blocks = sum(a.diff_blocks for a in stats.agents)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+

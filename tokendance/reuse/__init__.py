@@ -1,0 +1,1 @@
+"""Reuse layer: segments, position-independent KV reuse, the KV Collector and Master-Mirror tables."""

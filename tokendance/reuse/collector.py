@@ -1,0 +1,347 @@
+"""Round prefill over shared KV: base KV of shared spans, token selection, selective recompute.
+
+Two strategies behind one interface (`prefill(agents)`):
+
+- `PerRequestReuse` (`pic`, the CacheBlend baseline): every agent on its own looks up each shared
+  span's base KV, copies it into its own blocks with positions corrected, runs its own check pass
+  and recomputes its selected tokens. N agents pay N times, and store N copies.
+- `KVCollector` (`tokendance`): once per round for all agents: one base KV per distinct span
+  (the master), one batched check pass, and one batched recompute. Agents' tables point at the
+  master's slots in place (keys rotated when read) and hold private slots only for the tokens
+  they recompute and their private text (Master-Mirror: the mirror is the block-sparse diff).
+
+Both leave each agent with a table covering tokens [0, L-1) of its prompt; the scheduler then
+computes the last token and decodes as usual.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokendance.errors import CapacityError
+from tokendance.kv.manager import KVCacheManager
+from tokendance.model.runner import ModelRunner, ScheduledRequest, SchedulerOutput
+from tokendance.reuse.segments import TokenizedTurn
+from tokendance.reuse.selection import Selector
+
+
+@dataclass
+class AgentPrefill:
+    """One agent's prompt while its KV is prepared. Its table (`table_id`) already holds the
+    `num_reused_prefix` tokens a session or the prefix cache provided."""
+
+    table_id: str
+    turn: TokenizedTurn
+    num_reused_prefix: int
+    selected: dict[int, list[int]] = field(default_factory=dict)  # span index -> offsets
+    reused_spans: list[int] = field(default_factory=list)  # indices of spans served from shared KV
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.turn.token_ids
+
+    @property
+    def num_prepared(self) -> int:
+        """Tokens this prefill covers: all but the last (the scheduler computes it and samples)."""
+        return len(self.turn.token_ids) - 1
+
+    def spans_to_reuse(self) -> list[int]:
+        end = self.num_prepared
+        return [
+            i for i, s in enumerate(self.turn.spans)
+            if s.key is not None and s.start >= self.num_reused_prefix and s.end <= end
+        ]
+
+
+@dataclass
+class PrefillReport:
+    """Seconds per phase and tokens computed (in full-model token equivalents)."""
+
+    lookup_seconds: float = 0.0  # base KV of shared spans (+ position-corrected copies in pic)
+    selection_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    computed_tokens: float = 0.0
+    recomputed_tokens: int = 0  # selected tokens of reused spans
+    reused_tokens: int = 0  # tokens of reused spans served from shared KV
+
+
+class RoundKV:
+    """KV operations of a round prefill on one engine's KV manager and runner."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        selector: Selector,
+        check_layer: int,
+        max_batch_tokens: int,
+        reclaim: Callable[[], bool],
+    ):
+        self.kv = kv
+        self.runner = runner
+        self.selector = selector
+        self.check_layer = check_layer
+        self.max_batch_tokens = max_batch_tokens
+        self.reclaim = reclaim
+        self.num_layers = len(runner.model.layers)
+        self.masters: dict[bytes, str] = {}  # span key -> master table id (this round)
+
+    # ------------------------------------------------------------ allocation
+
+    def private_slots(self, table_id: str, count: int) -> list[int]:
+        while True:
+            slots = self.kv.append_private_slots(table_id, count)
+            if slots is not None:
+                return slots
+            if not self.reclaim():
+                raise CapacityError(f"the KV pool cannot hold this round ({count} more tokens needed)")
+
+    def release_masters(self) -> None:
+        for table_id in self.masters.values():
+            self.kv.free(table_id)
+        self.masters.clear()
+
+    # ------------------------------------------------------------ forward passes
+
+    def run(self, items: list[ScheduledRequest], num_layers: int | None = None) -> None:
+        """Forward `items` in groups of about `max_batch_tokens` new tokens."""
+        group: list[ScheduledRequest] = []
+        tokens = 0
+        for item in items:
+            if group and tokens + len(item.token_ids) > self.max_batch_tokens:
+                self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
+                group, tokens = [], 0
+            group.append(item)
+            tokens += len(item.token_ids)
+        if group:
+            self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
+
+    def compute_masters(self, spans: dict[bytes, list[int]]) -> int:
+        """One standalone prefill (positions from 0) per span not yet mastered this round."""
+        items = []
+        for key, token_ids in spans.items():
+            if key in self.masters:
+                continue
+            table_id = f"master:{key.hex()[:16]}:{len(self.masters)}"
+            self.kv.create_table(table_id)
+            self.masters[key] = table_id
+            slots = self.private_slots(table_id, len(token_ids))
+            items.append(ScheduledRequest(table_id, list(token_ids), range(len(token_ids)), slots, False, None))
+        self.run(items)
+        return sum(len(i.token_ids) for i in items)
+
+    def master_slots(self, key: bytes) -> list[int]:
+        return self.kv.get_slots(self.masters[key])
+
+    def check_keys(self, agents: list[AgentPrefill], table_slots: Callable[[AgentPrefill], list[int]]) -> list[torch.Tensor]:
+        """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
+        its real context through the first check_layer+1 layers, in scratch slots."""
+        scratch = []
+        items = []
+        for index, agent in enumerate(agents):
+            table_id = f"scratch:{index}"
+            self.kv.create_table(table_id)
+            self.kv.append_shared_slots(table_id, table_slots(agent)[: agent.num_reused_prefix])
+            new = range(agent.num_reused_prefix, agent.num_prepared)
+            self.private_slots(table_id, len(new))
+            slots = self.kv.get_slots(table_id)
+            items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
+            scratch.append(table_id)
+        try:
+            self.run(items, num_layers=self.check_layer + 1)
+            return [
+                self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
+                for item in items
+            ]
+        finally:
+            for table_id in scratch:
+                self.kv.free(table_id)
+
+    def deviation(self, fresh: torch.Tensor, slots: list[int], positions: range) -> torch.Tensor:
+        cached = self.runner.read_keys(self.check_layer, slots, list(positions))
+        return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
+
+    def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]]) -> int:
+        """Compute the given positions of each agent through all layers over its fused table."""
+        items = []
+        for agent in agents:
+            positions = positions_of(agent)
+            if not positions:
+                continue
+            slots = self.kv.get_slots(agent.table_id)[: positions[-1] + 1]
+            token_ids = [agent.token_ids[p] for p in positions]
+            items.append(ScheduledRequest(agent.table_id, token_ids, positions, slots, False, None))
+        self.run(items)
+        return sum(len(i.token_ids) for i in items)
+
+
+def private_positions(agent: AgentPrefill) -> list[int]:
+    """Positions of [prefix, L-1) that are not served from shared KV: private text and the
+    selected tokens of reused spans."""
+    reused = set()
+    for index in agent.reused_spans:
+        span = agent.turn.spans[index]
+        chosen = set(agent.selected.get(index, ()))
+        reused.update(span.start + o for o in range(span.end - span.start) if o not in chosen)
+    return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
+
+
+def distinct_spans(agents: list[AgentPrefill]) -> dict[bytes, list[int]]:
+    spans: dict[bytes, list[int]] = {}
+    for agent in agents:
+        for index in agent.spans_to_reuse():
+            span = agent.turn.spans[index]
+            spans.setdefault(span.key, agent.token_ids[span.start:span.end])
+    return spans
+
+
+class KVCollector:
+    """Collective reuse for a whole round (`tokendance`). `scope` picks how selection is shared:
+    "agent" = one batched check pass, each agent selects its own tokens; "block" = one check pass
+    per distinct span (in the first agent holding it), the selection applied to every agent."""
+
+    def __init__(self, round_kv: RoundKV, scope: str = "agent"):
+        self.round_kv = round_kv
+        self.scope = scope
+
+    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+        rk, report = self.round_kv, PrefillReport()
+        started = time.perf_counter()
+        spans = distinct_spans(agents)
+        report.computed_tokens += rk.compute_masters(spans)
+        for agent in agents:
+            agent.reused_spans = agent.spans_to_reuse()
+        report.lookup_seconds = time.perf_counter() - started
+
+        started = time.perf_counter()
+        report.computed_tokens += self._select(agents)
+        report.selection_seconds = time.perf_counter() - started
+
+        started = time.perf_counter()
+        for agent in agents:
+            self._build_table(agent)
+        recomputed = rk.recompute(agents, private_positions)
+        report.computed_tokens += recomputed
+        report.recompute_seconds = time.perf_counter() - started
+        _count_reuse(agents, report)
+        return report
+
+    def _select(self, agents: list[AgentPrefill]) -> float:
+        rk, selector = self.round_kv, self.round_kv.selector
+        if not selector.needs_check_pass:
+            for agent in agents:
+                for index in agent.reused_spans:
+                    span = agent.turn.spans[index]
+                    agent.selected[index] = selector.select(span.end - span.start, None)
+            return 0.0
+        probes = agents if self.scope == "agent" else _first_holders(agents)
+        fresh = rk.check_keys(probes, lambda a: rk.kv.get_slots(a.table_id))
+        chosen: dict[bytes, list[int]] = {}
+        for agent, keys in zip(probes, fresh):
+            for index in agent.reused_spans:
+                span = agent.turn.spans[index]
+                rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
+                deviation = rk.deviation(keys[rows], rk.master_slots(span.key), range(span.start, span.end))
+                agent.selected[index] = selector.select(span.end - span.start, deviation)
+                chosen.setdefault(span.key, agent.selected[index])
+        if self.scope == "block":
+            for agent in agents:
+                for index in agent.reused_spans:
+                    agent.selected[index] = chosen[agent.turn.spans[index].key]
+        checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
+        return checked * (rk.check_layer + 1) / rk.num_layers
+
+    def _build_table(self, agent: AgentPrefill) -> None:
+        """Mirror: master slots in place for reused tokens, private slots for everything else."""
+        rk = self.round_kv
+        reused = {agent.turn.spans[i].start: i for i in agent.reused_spans}
+        position = agent.num_reused_prefix
+        while position < agent.num_prepared:
+            index = reused.get(position)
+            if index is None:
+                end = min((s for s in reused if s > position), default=agent.num_prepared)
+                rk.private_slots(agent.table_id, end - position)
+                position = end
+                continue
+            span = agent.turn.spans[index]
+            master = rk.master_slots(span.key)
+            chosen = set(agent.selected[index])
+            for offset in range(span.end - span.start):
+                if offset in chosen:
+                    rk.private_slots(agent.table_id, 1)
+                else:
+                    rk.kv.append_shared_slots(agent.table_id, [master[offset]])
+            position = span.end
+
+
+def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
+    """The fewest agents (greedily, in order) whose reused spans cover every distinct span."""
+    seen: set[bytes] = set()
+    holders = []
+    for agent in agents:
+        keys = {agent.turn.spans[i].key for i in agent.reused_spans}
+        if keys - seen:
+            holders.append(agent)
+            seen |= keys
+    return holders
+
+
+def _count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:
+    for agent in agents:
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            selected = len(agent.selected.get(index, ()))
+            report.recomputed_tokens += selected
+            report.reused_tokens += span.end - span.start - selected
+
+
+class PerRequestReuse:
+    """Per-request position-independent reuse (`pic`, CacheBlend-style): each agent separately
+    copies every shared span's base KV into its own blocks at its own positions, runs its own
+    check pass and recomputes its own selection. Base KV is computed once and kept for the round
+    (the role of a chunk store)."""
+
+    def __init__(self, round_kv: RoundKV):
+        self.round_kv = round_kv
+
+    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+        report = PrefillReport()
+        for agent in agents:
+            self._prefill_one(agent, report)
+        _count_reuse(agents, report)
+        return report
+
+    def _prefill_one(self, agent: AgentPrefill, report: PrefillReport) -> None:
+        rk = self.round_kv
+        started = time.perf_counter()
+        agent.reused_spans = agent.spans_to_reuse()
+        spans = {agent.turn.spans[i].key: agent.token_ids[agent.turn.spans[i].start:agent.turn.spans[i].end] for i in agent.reused_spans}
+        report.computed_tokens += rk.compute_masters(spans)
+        slots = rk.kv.get_slots(agent.table_id)
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            rk.runner.copy_kv(rk.master_slots(span.key), slots[span.start:span.end], list(range(span.start, span.end)))
+        report.lookup_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        selector = rk.selector
+        if selector.needs_check_pass:
+            (keys,) = rk.check_keys([agent], lambda a: rk.kv.get_slots(a.table_id))
+            report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            deviation = None
+            if selector.needs_check_pass:
+                rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
+                deviation = rk.deviation(keys[rows], slots[span.start:span.end], range(span.start, span.end))
+            agent.selected[index] = selector.select(span.end - span.start, deviation)
+        report.selection_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        report.computed_tokens += rk.recompute([agent], private_positions)
+        report.recompute_seconds += time.perf_counter() - started
+

@@ -1,0 +1,125 @@
+"""Agent turns as segments: each chat message is tokenized on its own, so a message that recurs
+across a round's agents has the same token ids in every prompt wherever it sits."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokendance.errors import InvalidRequestError
+from tokendance.model.tokenizer import ChatTokenizer
+
+
+@dataclass
+class Segment:
+    """A piece of a prompt: text or token ids. `shared=None` lets the round decide (a segment is
+    shared when its tokens recur in another agent's prompt of the round)."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    shared: bool | None = None
+
+
+@dataclass
+class AgentTurn:
+    """One agent's prompt in a round: chat `messages` or explicit `segments` (not both)."""
+
+    agent_id: str
+    messages: Sequence[dict] | None = None
+    segments: Sequence[Segment | str] | None = None
+    namespace: str = ""
+
+
+@dataclass
+class PromptSpan:
+    """A segment placed in a prompt: tokens [start, end); `key` names its content if shared."""
+
+    start: int
+    end: int
+    key: bytes | None = None
+
+
+@dataclass
+class TokenizedTurn:
+    agent_id: str
+    namespace: str
+    token_ids: list[int]
+    spans: list[PromptSpan] = field(default_factory=list)
+
+    @property
+    def shared_spans(self) -> list[PromptSpan]:
+        return [s for s in self.spans if s.key is not None]
+
+
+def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
+    """Content name of a shared segment, salted by the cache namespace."""
+    return hashlib.sha256(namespace.encode() + b"\0" + array("q", token_ids).tobytes()).digest()
+
+
+def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[list[int]]:
+    """Token ids of each message as the chat template renders it, plus the generation prompt.
+    Falls back to one segment if the template is not prefix-stable."""
+    rendered = [""]
+    for end in range(1, len(messages) + 1):
+        rendered.append(tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False))
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered.append(full)
+    if any(not b.startswith(a) for a, b in zip(rendered, rendered[1:])):
+        return [tokenizer.encode(full)]
+    pieces = [b[len(a):] for a, b in zip(rendered, rendered[1:])]
+    return [tokenizer.encode(piece) for piece in pieces if piece]
+
+
+def tokenize_round(tokenizer: ChatTokenizer, turns: Sequence[AgentTurn]) -> list[TokenizedTurn]:
+    """Tokenize every turn by segments and mark the shared ones (explicitly marked, or recurring
+    in at least two turns of the same namespace)."""
+    raw: list[list[tuple[list[int], bool | None]]] = []
+    for turn in turns:
+        raw.append(_turn_segments(tokenizer, turn))
+    occurrences: Counter = Counter()
+    for turn, segments in zip(turns, raw):
+        for key in {segment_key(ids, turn.namespace) for ids, _ in segments}:
+            occurrences[key] += 1
+    tokenized = []
+    for turn, segments in zip(turns, raw):
+        result = TokenizedTurn(turn.agent_id, turn.namespace, [])
+        for ids, marked in segments:
+            key = segment_key(ids, turn.namespace)
+            shared = marked if marked is not None else occurrences[key] > 1
+            start = len(result.token_ids)
+            result.token_ids.extend(ids)
+            result.spans.append(PromptSpan(start, len(result.token_ids), key if shared else None))
+        tokenized.append(result)
+    return tokenized
+
+
+def _turn_segments(tokenizer: ChatTokenizer, turn: AgentTurn) -> list[tuple[list[int], bool | None]]:
+    if (turn.messages is None) == (turn.segments is None):
+        raise InvalidRequestError(f"agent {turn.agent_id!r}: give either messages or segments")
+    if turn.messages is not None:
+        validate_messages(turn.messages)
+        return [(ids, None) for ids in chat_segments(tokenizer, turn.messages)]
+    segments = []
+    for segment in turn.segments:
+        if isinstance(segment, str):
+            segment = Segment(text=segment)
+        if segment.token_ids is not None:
+            ids = list(segment.token_ids)
+        elif segment.text is not None:
+            ids = tokenizer.encode(segment.text)
+        else:
+            raise InvalidRequestError(f"agent {turn.agent_id!r}: a segment needs text or token_ids")
+        if ids:
+            segments.append((ids, segment.shared))
+    return segments
+
+
+def validate_messages(messages) -> None:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}")
