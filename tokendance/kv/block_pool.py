@@ -25,6 +25,7 @@ class BlockPool:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.min_free = num_blocks  # low-water mark of num_free since reset_watermark()
 
     @property
     def num_free(self) -> int:
@@ -37,6 +38,9 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def reset_watermark(self) -> None:
+        self.min_free = len(self._free)
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
@@ -54,6 +58,7 @@ class BlockPool:
             self._uncache(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self.min_free = min(self.min_free, len(self._free))
         return block_ids
 
     def acquire(self, block_ids: Iterable[int]) -> None:
@@ -61,6 +66,7 @@ class BlockPool:
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]
+                self.min_free = min(self.min_free, len(self._free))
             self.ref_counts[block_id] += 1
 
     def release(self, block_ids: Iterable[int]) -> None:

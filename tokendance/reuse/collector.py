@@ -89,6 +89,7 @@ class RoundKV:
         self.reclaim = reclaim
         self.num_layers = len(runner.model.layers)
         self.masters: dict[bytes, str] = {}  # span key -> master table id (this round)
+        self.anchor: list[int] = []  # tokens computed before every master span (see set_anchor)
 
     # ------------------------------------------------------------ allocation
 
@@ -120,8 +121,18 @@ class RoundKV:
         if group:
             self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
 
+    def set_anchor(self, turns: list[TokenizedTurn], max_tokens: int = 32) -> None:
+        """Masters are prefilled after the round's common prompt prefix (e.g. the chat template's
+        system header), capped: a span encoded at position 0 turns its first token into an
+        attention sink that no agent's context has, and that error dominates the deviation."""
+        first = turns[0].token_ids
+        common = min(len(first), max_tokens)
+        for turn in turns[1:]:
+            common = next((i for i, (a, b) in enumerate(zip(first[:common], turn.token_ids)) if a != b), min(common, len(turn.token_ids)))
+        self.anchor = list(first[:common])
+
     def compute_masters(self, spans: dict[bytes, list[int]]) -> int:
-        """One standalone prefill (positions from 0) per span not yet mastered this round."""
+        """One prefill of anchor + span per span not yet mastered this round."""
         items = []
         for key, token_ids in spans.items():
             if key in self.masters:
@@ -129,13 +140,14 @@ class RoundKV:
             table_id = f"master:{key.hex()[:16]}:{len(self.masters)}"
             self.kv.create_table(table_id)
             self.masters[key] = table_id
-            slots = self.private_slots(table_id, len(token_ids))
-            items.append(ScheduledRequest(table_id, list(token_ids), range(len(token_ids)), slots, False, None))
+            tokens = self.anchor + list(token_ids)
+            slots = self.private_slots(table_id, len(tokens))
+            items.append(ScheduledRequest(table_id, tokens, range(len(tokens)), slots, False, None))
         self.run(items)
         return sum(len(i.token_ids) for i in items)
 
     def master_slots(self, key: bytes) -> list[int]:
-        return self.kv.get_slots(self.masters[key])
+        return self.kv.get_slots(self.masters[key])[len(self.anchor):]
 
     def check_keys(self, agents: list[AgentPrefill], table_slots: Callable[[AgentPrefill], list[int]]) -> list[torch.Tensor]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
@@ -238,7 +250,8 @@ class KVCollector:
                     span = agent.turn.spans[index]
                     agent.selected[index] = selector.select(span.end - span.start, None)
             return 0.0
-        probes = agents if self.scope == "agent" else _first_holders(agents)
+        with_spans = [a for a in agents if a.reused_spans]
+        probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
         fresh = rk.check_keys(probes, lambda a: rk.kv.get_slots(a.table_id))
         chosen: dict[bytes, list[int]] = {}
         for agent, keys in zip(probes, fresh):
@@ -319,6 +332,9 @@ class PerRequestReuse:
         rk = self.round_kv
         started = time.perf_counter()
         agent.reused_spans = agent.spans_to_reuse()
+        if not agent.reused_spans:
+            report.computed_tokens += rk.recompute([agent], private_positions)
+            return
         spans = {agent.turn.spans[i].key: agent.token_ids[agent.turn.spans[i].start:agent.turn.spans[i].end] for i in agent.reused_spans}
         report.computed_tokens += rk.compute_masters(spans)
         slots = rk.kv.get_slots(agent.table_id)

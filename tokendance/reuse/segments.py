@@ -51,7 +51,10 @@ class TokenizedTurn:
 
     @property
     def shared_spans(self) -> list[PromptSpan]:
-        return [s for s in self.spans if s.key is not None]
+        """Shared spans that can be served from shared KV: all but one ending at the prompt's
+        last token, which is always computed (its logits give the first output token)."""
+        last = len(self.token_ids) - 1
+        return [s for s in self.spans if s.key is not None and s.end <= last]
 
 
 def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:

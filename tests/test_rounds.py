@@ -1,0 +1,182 @@
+"""Rounds, agent sessions and the reuse modes on the real model (fp32, so paths that must agree
+can be compared exactly)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tests.test_model_reference import LOGIT_ATOL
+from tokendance import AgentTurn, ContextLengthError, InvalidRequestError, SamplingParams
+
+AGENTS = ["ada", "bo", "cy", "di"]
+WORDS = "harvest festival bread mill river market lantern storm neighbour rumour council well bridge orchard".split()
+PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=1)
+
+
+def utterance(agent: str, seed: int) -> str:
+    rng = random.Random(f"{agent}-{seed}")
+    return f"{agent} says: " + " ".join(rng.choice(WORDS) for _ in range(24)) + "."
+
+
+def persona(agent: str, words: int) -> str:
+    rng = random.Random(agent)
+    return f"You are {agent}, a villager. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def history(agent: str, index: int, rounds: int, persona_words=None) -> list[dict]:
+    """Persona, then per round: every agent's utterance (shuffled per agent) and a task."""
+    rng = random.Random(agent)
+    messages = [{"role": "system", "content": persona(agent, persona_words or 10 + 9 * index)}]
+    for r in range(rounds):
+        shared = [utterance(a, r) for a in AGENTS]
+        rng.shuffle(shared)
+        messages += [{"role": "user", "content": s} for s in shared]
+        messages.append({"role": "user", "content": f"Round {r}: {agent}, what do you say next?"})
+    return messages
+
+
+def round_turns(rounds: int, agents=AGENTS, namespace="") -> list[AgentTurn]:
+    return [AgentTurn(a, history(a, AGENTS.index(a), rounds), namespace=namespace) for a in agents]
+
+
+def test_full_recompute_reproduces_full_prefill(make_llm):
+    reference = make_llm(dtype="float32", reuse="full").run_round(round_turns(1), PARAMS)
+    for mode in ("pic", "tokendance"):
+        result = make_llm(dtype="float32", reuse=mode, recompute_ratio=1.0).run_round(round_turns(1), PARAMS)
+        assert result.stats.reused_tokens == 0 and result.stats.recomputed_tokens > 0
+        for ours, ref in zip(result.outputs, reference.outputs):
+            assert ours.token_ids == ref.token_ids
+            assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
+
+
+def test_master_mirror_reads_equal_private_corrected_copies(make_llm):
+    """tokendance reads master keys rotated at attention time; pic copies them rotated into private
+    blocks. With the same selection both must compute the same thing."""
+    pic = make_llm(dtype="float32", reuse="pic", recompute_ratio=0.3).run_round(round_turns(1), PARAMS)
+    td = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.3).run_round(round_turns(1), PARAMS)
+    assert td.stats.reused_tokens == pic.stats.reused_tokens > 0
+    for a, b in zip(td.outputs, pic.outputs):
+        assert (a.logits[0] - b.logits[0]).abs().max().item() < LOGIT_ATOL
+        assert a.token_ids == b.token_ids
+    assert td.stats.kv_bytes_per_agent < pic.stats.kv_bytes_per_agent
+
+
+def test_ratio_zero_keeps_no_private_copy_of_shared_spans(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.0)
+    result = llm.run_round(round_turns(1), PARAMS)
+    assert result.stats.recomputed_tokens == 0
+    assert all(agent.diff_blocks == 0 for agent in result.stats.agents)
+    # every shared-span token of every agent points into blocks several agents hold
+    assert result.stats.shared_compression == pytest.approx(len(AGENTS), rel=0.01)
+
+
+@pytest.mark.parametrize("selection", ["cacheblend", "epic"])
+def test_diff_blocks_are_the_selected_tokens_footprint(make_llm, selection):
+    ratio = 0.2
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=ratio, selection=selection)
+    result = llm.run_round(round_turns(1), PARAMS)
+    kv, block_size = llm.engine.kv, llm.engine.kv.block_size
+    for agent_stats in result.stats.agents:
+        session = llm.engine.rounds.sessions[agent_stats.agent_id]
+        slots = kv.get_slots(session.table_id)
+        turn = next(t for t in round_turns(1) if t.agent_id == agent_stats.agent_id)
+        spans = _shared_spans(llm, turn.agent_id)
+        private = {kv.block_of(s) for s in slots if kv.pool.ref_counts[kv.block_of(s)] == 1}
+        selected_blocks = {kv.block_of(slots[p]) for s in spans for p in range(s.start, s.end) if kv.block_of(slots[p]) in private}
+        selected = sum(math.ceil(ratio * (s.end - s.start)) for s in spans)
+        assert agent_stats.diff_blocks == len(selected_blocks)
+        # recomputed tokens are packed: the diff is about their count, not the span's size
+        assert len(selected_blocks) <= math.ceil(selected / block_size) + len(spans)
+        assert len(selected_blocks) < sum(math.ceil((s.end - s.start) / block_size) for s in spans)
+    assert result.stats.recomputed_tokens == len(AGENTS) * sum(
+        math.ceil(ratio * (s.end - s.start)) for s in _shared_spans(llm, "ada")
+    )
+
+
+def _shared_spans(llm, agent_id):
+    from tokendance.reuse.segments import tokenize_round
+
+    tokenized = tokenize_round(llm.tokenizer, round_turns(1))
+    return next(t for t in tokenized if t.agent_id == agent_id).shared_spans
+
+
+def test_sessions_compute_only_new_tokens(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0)
+    reference = make_llm(dtype="float32", reuse="full")
+    first = llm.run_round(round_turns(1), PARAMS)
+    reference.run_round(round_turns(1), PARAMS)
+    second_turns = []
+    for agent, output in zip(AGENTS, first.outputs):
+        messages = history(agent, AGENTS.index(agent), 1)
+        messages += [{"role": "assistant", "content": output.text},
+                     {"role": "user", "content": f"{agent}, think about tomorrow's market and answer briefly."}]
+        second_turns.append(AgentTurn(agent, messages))
+    second = llm.run_round(second_turns, PARAMS)
+    expected = reference.run_round(second_turns, PARAMS)
+    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in expected.outputs]
+    for out_1, out_2 in zip(first.outputs, second.outputs):
+        assert out_2.num_cached_tokens >= out_1.num_prompt_tokens  # the whole earlier prompt reused
+    new_tokens = sum(o.num_prompt_tokens - o.num_cached_tokens for o in second.outputs)
+    assert second.stats.computed_tokens == new_tokens
+    assert expected.stats.computed_tokens == sum(o.num_prompt_tokens for o in expected.outputs)
+
+
+def test_ending_or_evicting_an_agent_leaves_the_others_unchanged(make_llm):
+    ratio = dict(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
+    kept, ended, evicted = make_llm(**ratio), make_llm(**ratio), make_llm(**ratio)
+    for llm in (kept, ended, evicted):
+        llm.run_round(round_turns(1), PARAMS)
+    assert ended.end_agent("ada") and not ended.end_agent("ada")
+    turns = round_turns(2, AGENTS[1:])
+    pool = kept.engine.kv.pool
+    pool.reset_watermark()
+    free_before = pool.num_free
+    want = kept.run_round(turns, PARAMS)
+    needed = free_before - pool.min_free
+    # memory pressure: leave one block less than the round needs, so it must evict idle "ada"
+    kv = evicted.engine.kv
+    kv.create_table("ballast")
+    kv.append_private_slots("ballast", (kv.pool.num_free - needed + 1) * kv.block_size)
+    got_ended = ended.run_round(turns, PARAMS)
+    got_evicted = evicted.run_round(turns, PARAMS)
+    assert evicted.engine.rounds.num_evictions >= 1 and "ada" not in evicted.engine.rounds.sessions
+    for outputs in (got_ended.outputs, got_evicted.outputs):
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in want.outputs]
+    kv.free("ballast")
+    for llm in (kept, ended, evicted):
+        for agent in AGENTS:
+            llm.end_agent(agent)
+        assert llm.engine.kv.pool.num_used == 0  # no leak
+
+
+def test_namespaces_never_share_blocks(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
+    # both tenants' agents see the very same shared messages
+    turns = round_turns(1, ["ada", "bo"], namespace="tenant-a") + round_turns(1, ["cy", "di"], namespace="tenant-b")
+    result = llm.run_round(turns, PARAMS)
+    kv, sessions = llm.engine.kv, llm.engine.rounds.sessions
+    blocks_a = kv.held_blocks([sessions[a].table_id for a in ("ada", "bo")])
+    blocks_b = kv.held_blocks([sessions[a].table_id for a in ("cy", "di")])
+    assert not blocks_a & blocks_b
+    assert result.stats.reused_tokens > 0  # sharing still happens inside each namespace
+
+
+def test_bad_rounds_are_rejected_and_nothing_leaks(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
+    with pytest.raises(InvalidRequestError, match="duplicate agent ids"):
+        llm.run_round(round_turns(1, ["ada", "ada"]), PARAMS)
+    with pytest.raises(InvalidRequestError, match="non-empty"):
+        llm.run_round([], PARAMS)
+    too_long = AgentTurn("bo", [{"role": "user", "content": "word " * 9000}])
+    with pytest.raises(ContextLengthError):
+        llm.run_round([round_turns(1, ["ada"])[0], too_long], PARAMS)
+    with pytest.raises(InvalidRequestError, match="messages or segments"):
+        llm.run_round([AgentTurn("cy")], PARAMS)
+    assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished
+    result = llm.run_round(round_turns(1), PARAMS)
+    assert all(o.num_generated_tokens > 0 for o in result.outputs)
+    reference = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2).run_round(round_turns(1), PARAMS)
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in reference.outputs]
