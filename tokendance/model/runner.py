@@ -13,7 +13,7 @@ from tokendance.model.llama import (
     KVCacheTensors,
     LlamaModel,
     PrefillAttention,
-    apply_rope,
+    rotate_pairs,
 )
 from tokendance.sampling import Sampler, SamplingParams
 
@@ -87,7 +87,7 @@ class ModelRunner:
         shift = self._tensor(read_positions) - self.kv_cache.positions[slot_tensor]
         keys = self.kv_cache.keys[layer].index_select(0, slot_tensor).float()
         rotation = self.model.key_rotation(shift)
-        return apply_rope(keys, rotation.cos, rotation.sin)
+        return rotate_pairs(keys, rotation.cos, rotation.sin)
 
     @torch.inference_mode()
     def copy_kv(self, src_slots: list[int], dst_slots: list[int], dst_positions: list[int]) -> None:
@@ -96,7 +96,7 @@ class ModelRunner:
         positions = self._tensor(dst_positions)
         rotation = self.model.key_rotation(positions - self.kv_cache.positions[src])
         for keys, values in zip(self.kv_cache.keys, self.kv_cache.values):
-            rotated = apply_rope(keys.index_select(0, src).float(), rotation.cos, rotation.sin)
+            rotated = rotate_pairs(keys.index_select(0, src).float(), rotation.cos, rotation.sin)
             keys.index_copy_(0, dst, rotated.to(keys.dtype))
             values.index_copy_(0, dst, values.index_select(0, src))
         self.kv_cache.positions.index_copy_(0, dst, positions)

@@ -1,0 +1,245 @@
+"""Multi-round All-Gather: the four reuse modes side by side, a recompute-ratio sweep, fp32 vs bf16.
+
+    .venv/bin/python benchmarks/round.py                      # N = 4, 8, 16 agents x 4 rounds
+    .venv/bin/python benchmarks/round.py --agents 4 8 16 32   # add N = 32 (several minutes more)
+
+Each agent: a ~200-token persona; in every round its prompt is its whole history (persona, every
+earlier round's messages and its own earlier outputs) + this round's shared block (every agent's
+previous output, ~48 tokens each, in a per-agent shuffled order) + a ~30-token task; 32 new
+tokens. Open loop: the outputs that feed the next round are fixed synthetic texts, so every mode
+sees exactly the same prompts and fidelity against `full` is exact per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokendance import LLM, AgentTurn, SamplingParams  # noqa: E402
+from tokendance.model.llama import KVCacheTensors  # noqa: E402
+from tokendance.model.loader import load_model  # noqa: E402
+from tokendance.reuse.fidelity import compare  # noqa: E402
+
+MODES = ("full", "prefix", "pic", "tokendance")
+WORDS = (
+    "market harvest festival bread mill river lantern storm neighbour rumour council well bridge orchard "
+    "wagon tavern letter promise debt weather school library garden fence ferry price winter cart plan "
+    "baker smith teacher mayor doctor fisher tailor guard child elder stranger traveller merchant"
+).split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class AllGather:
+    """Deterministic synthetic All-Gather workload (open loop)."""
+
+    def __init__(self, num_agents: int, seed: int = 0, persona_words=150, output_words=36, task_words=20):
+        self.agents = [f"agent{i:02d}" for i in range(num_agents)]
+        rng = random.Random(seed)
+        self.personas = {a: f"You are {a}. " + text(rng, persona_words) for a in self.agents}
+        self.output_words, self.task_words, self.seed = output_words, task_words, seed
+
+    def output(self, agent: str, round_index: int) -> str:
+        return f"{agent}: " + text(random.Random(f"{self.seed}-{agent}-{round_index}"), self.output_words)
+
+    def task(self, agent: str, round_index: int) -> str:
+        return f"Round {round_index}, {agent}: " + text(random.Random(f"task-{agent}-{round_index}"), self.task_words) + "?"
+
+    def turns(self, round_index: int) -> list[AgentTurn]:
+        turns = []
+        for agent in self.agents:
+            order = random.Random(f"order-{agent}")
+            messages = [{"role": "system", "content": self.personas[agent]}]
+            for r in range(round_index + 1):
+                shared = [self.output(a, r - 1) for a in self.agents] if r else [self.output(a, -1) for a in self.agents]
+                order.shuffle(shared)
+                messages += [{"role": "user", "content": s} for s in shared]
+                messages.append({"role": "user", "content": self.task(agent, r)})
+                if r < round_index:
+                    messages.append({"role": "assistant", "content": self.output(agent, r)})
+            turns.append(AgentTurn(agent, messages))
+        return turns
+
+
+def kv_budget(loaded, dtype: str, workload: AllGather, rounds: int, llm_tokens=None) -> int:
+    """Enough KV for every agent's whole last-round prompt held privately, plus headroom."""
+    tokenizer_probe = llm_tokens(workload.turns(rounds - 1))
+    per_token = KVCacheTensors.bytes_per_slot(loaded.config, getattr(torch, dtype))
+    return int(1.3 * (tokenizer_probe + 64 * len(workload.agents)) * per_token) + 64 * 2**20
+
+
+def run_modes(loaded, num_agents: int, rounds: int, args, bar) -> list[dict]:
+    workload = AllGather(num_agents, seed=args.seed)
+    probe = LLM(loaded, dtype=args.dtype, kv_cache_bytes=16 * 2**20)
+    count = lambda turns: sum(len(probe.tokenizer.encode(probe.render_chat(t.messages))) for t in turns)  # noqa: E731
+    budget = kv_budget(loaded, args.dtype, workload, rounds, count)
+    del probe
+    engines = {
+        mode: LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=budget,
+                  recompute_ratio=args.ratio, selection=args.selection)
+        for mode in MODES
+    }
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_logits=1)
+    warm_up(engines.values())
+    rows = []
+    for r in range(rounds):
+        turns = workload.turns(r)
+        results = {}
+        for mode, llm in engines.items():
+            bar.set_postfix_str(f"N={num_agents} round {r + 1} {mode}")
+            results[mode] = llm.run_round(turns, params)
+            bar.update(1)
+        for mode, result in results.items():
+            fidelity = compare(results["full"].outputs, result.outputs)
+            stats = asdict(result.stats)
+            stats.pop("agents")
+            rows.append({"agents": num_agents, "round": r + 1, **stats, "fidelity": asdict(fidelity)})
+    return rows
+
+
+def warm_up(engines) -> None:
+    """One small untimed round per engine: compiles the fused key-rotation kernel, fills caches."""
+    turns = AllGather(2, seed=12345).turns(0)
+    for llm in engines:
+        llm.run_round(turns, SamplingParams(temperature=0, max_tokens=2))
+        for turn in turns:
+            llm.end_agent(turn.agent_id)
+
+
+def sweep(loaded, args, bar) -> list[dict]:
+    """Recompute ratio x selection policy at N agents, last round: fidelity vs speed vs compression."""
+    workload = AllGather(args.sweep_agents, seed=args.seed)
+    rounds = args.rounds
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_logits=1)
+    budget = 2 * 2**30
+    reference = LLM(loaded, dtype=args.dtype, reuse="full", kv_cache_bytes=budget)
+    ref = reference.run_round(workload.turns(rounds - 1), params)
+    del reference
+    rows = []
+    for selection in args.sweep_selections:
+        for ratio in args.sweep_ratios:
+            llm = LLM(loaded, dtype=args.dtype, reuse="tokendance", kv_cache_bytes=budget,
+                      recompute_ratio=ratio, selection=selection)
+            warm_up([llm])
+            result = llm.run_round(workload.turns(rounds - 1), params)
+            bar.update(1)
+            f = compare(ref.outputs, result.outputs)
+            rows.append({"selection": selection, "ratio": ratio, "prefill_seconds": result.stats.prefill_seconds,
+                         "full_prefill_seconds": ref.stats.prefill_seconds,
+                         "shared_compression": result.stats.shared_compression,
+                         "kv_bytes_per_agent": result.stats.kv_bytes_per_agent,
+                         "diff_blocks": result.stats.diff_blocks, "fidelity": asdict(f)})
+    return rows
+
+
+def dtype_comparison(loaded, args, bar) -> list[dict]:
+    """fp32 vs bf16: tokendance vs full at the default ratio, one round at N = sweep_agents."""
+    workload = AllGather(args.sweep_agents, seed=args.seed)
+    turns = workload.turns(args.rounds - 1)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_logits=1)
+    rows, outputs = [], {}
+    for dtype in ("float32", "bfloat16"):
+        for mode in ("full", "tokendance"):
+            llm = LLM(loaded, dtype=dtype, reuse=mode, kv_cache_bytes=2 * 2**30, recompute_ratio=args.ratio, selection=args.selection)
+            warm_up([llm])
+            outputs[(dtype, mode)] = llm.run_round(turns, params)
+            bar.update(1)
+    for (dtype, mode), result in outputs.items():
+        f32 = compare(outputs[("float32", "full")].outputs, result.outputs)
+        rows.append({"dtype": dtype, "mode": mode, "prefill_seconds": result.stats.prefill_seconds,
+                     "round_seconds": result.stats.round_seconds, "fidelity_vs_fp32_full": asdict(f32)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of pic and tokendance")
+    parser.add_argument("--selection", default="cacheblend")
+    parser.add_argument("--sweep-agents", type=int, default=8)
+    parser.add_argument("--sweep-ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.3, 0.5])
+    parser.add_argument("--sweep-selections", nargs="+", default=["cacheblend", "cacheblend-block", "epic"])
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/round.json")
+    args = parser.parse_args()
+    loaded = load_model()
+    steps = len(args.agents) * args.rounds * len(MODES)
+    if not args.skip_sweep:
+        steps += len(args.sweep_ratios) * len(args.sweep_selections) + 4
+    started = time.perf_counter()
+    with tqdm(total=steps, desc="rounds") as bar:
+        rows = [row for n in args.agents for row in run_modes(loaded, n, args.rounds, args, bar)]
+        sweep_rows = [] if args.skip_sweep else sweep(loaded, args, bar)
+        dtype_rows = [] if args.skip_sweep else dtype_comparison(loaded, args, bar)
+    print_rounds(rows)
+    print_summary(rows, max(args.agents), args.rounds)
+    print_sweep(sweep_rows)
+    print_dtypes(dtype_rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rounds": rows, "sweep": sweep_rows, "dtypes": dtype_rows,
+                               "seconds": time.perf_counter() - started}, indent=2))
+    print(f"\nwrote {out}")
+
+
+def print_rounds(rows: list[dict]) -> None:
+    print(f"\n{'N':>3} {'rd':>2} {'mode':<11}{'prefill s':>10}{'round s':>9}{'computed':>10}{'in prompts':>11}"
+          f"{'KV MB/agent':>12}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}")
+    for r in rows:
+        f = r["fidelity"]
+        print(f"{r['agents']:>3} {r['round']:>2} {r['mode']:<11}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}"
+              f"{r['computed_tokens']:>10.0f}{r['prompt_tokens']:>11}{r['kv_bytes_per_agent'] / 2**20:>12.2f}"
+              f"{r['shared_compression']:>9.2f}{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+
+
+def print_summary(rows: list[dict], agents: int, round_index: int) -> None:
+    at = {r["mode"]: r for r in rows if r["agents"] == agents and r["round"] == round_index}
+    if "tokendance" not in at:
+        return
+    td = at["tokendance"]
+    print(f"\nN={agents}, round {round_index}: tokendance prefill {at['prefix']['prefill_seconds'] / td['prefill_seconds']:.2f}x "
+          f"faster than prefix, {at['pic']['prefill_seconds'] / td['prefill_seconds']:.2f}x faster than pic; "
+          f"round latency {at['prefix']['round_seconds'] / td['round_seconds']:.2f}x vs prefix; "
+          f"KV per agent {at['prefix']['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x smaller than prefix; "
+          f"shared-block compression {td['shared_compression']:.2f}x; top-1 agreement {td['fidelity']['top1_agreement']:.2f}")
+    print(f"time split (s): lookup {td['lookup_seconds']:.2f}, selection {td['selection_seconds']:.2f}, "
+          f"recompute {td['recompute_seconds']:.2f}, private prefill {td['private_prefill_seconds']:.2f}, decode {td['decode_seconds']:.2f}")
+
+
+def print_sweep(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\n{'selection':<17}{'ratio':>6}{'prefill s':>10}{'vs full':>8}{'shared x':>9}{'diff blk':>9}{'top1':>6}{'KL':>7}{'same':>6}{'prefix':>7}")
+    for r in rows:
+        f = r["fidelity"]
+        print(f"{r['selection']:<17}{r['ratio']:>6.2f}{r['prefill_seconds']:>10.2f}{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x"
+              f"{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}"
+              f"{f['identical_fraction']:>6.2f}{f['mean_common_prefix']:>7.1f}")
+
+
+def print_dtypes(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print(f"\n{'dtype':<10}{'mode':<12}{'prefill s':>10}{'round s':>9}{'top1 vs fp32 full':>19}{'KL':>7}")
+    for r in rows:
+        f = r["fidelity_vs_fp32_full"]
+        print(f"{r['dtype']:<10}{r['mode']:<12}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}{f['top1_agreement']:>19.2f}{f['mean_kl']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
