@@ -13,6 +13,7 @@ sees exactly the same prompts and fidelity against `full` is exact per round.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -106,7 +107,14 @@ def run_modes(loaded, num_agents: int, rounds: int, args, bar) -> list[dict]:
             stats = asdict(result.stats)
             stats.pop("agents")
             rows.append({"agents": num_agents, "round": r + 1, **stats, "fidelity": asdict(fidelity)})
+    release(engines)
     return rows
+
+
+def release(engines) -> None:
+    """Drop engines now: their KV pools are large and engines hold reference cycles."""
+    engines.clear()
+    gc.collect()
 
 
 def warm_up(engines) -> None:
@@ -123,10 +131,10 @@ def sweep(loaded, args, bar) -> list[dict]:
     workload = AllGather(args.sweep_agents, seed=args.seed)
     rounds = args.rounds
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_logits=1)
-    budget = 2 * 2**30
+    budget = 1 * 2**30
     reference = LLM(loaded, dtype=args.dtype, reuse="full", kv_cache_bytes=budget)
     ref = reference.run_round(workload.turns(rounds - 1), params)
-    del reference
+    release([reference])
     rows = []
     for selection in args.sweep_selections:
         for ratio in args.sweep_ratios:
@@ -141,6 +149,29 @@ def sweep(loaded, args, bar) -> list[dict]:
                          "shared_compression": result.stats.shared_compression,
                          "kv_bytes_per_agent": result.stats.kv_bytes_per_agent,
                          "diff_blocks": result.stats.diff_blocks, "fidelity": asdict(f)})
+            release([llm])
+    return rows
+
+
+def scope_ablation(loaded, args, bar) -> list[dict]:
+    """KV Collector selection scope: one batched check pass with per-agent selection ("agent") vs
+    one check pass per distinct span applied to every agent ("block"), multi-round with sessions."""
+    workload = AllGather(args.sweep_agents, seed=args.seed)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_logits=1)
+    engines = {scope: LLM(loaded, dtype=args.dtype, reuse="tokendance", kv_cache_bytes=2**30,
+                          recompute_ratio=args.ratio, selection=args.selection, collective_selection=scope)
+               for scope in ("agent", "block")}
+    engines["full"] = LLM(loaded, dtype=args.dtype, reuse="full", kv_cache_bytes=2**30)
+    warm_up(engines.values())
+    rows = []
+    for r in range(args.rounds):
+        results = {name: llm.run_round(workload.turns(r), params) for name, llm in engines.items()}
+        bar.update(1)
+        for scope in ("agent", "block"):
+            s, f = results[scope].stats, compare(results["full"].outputs, results[scope].outputs)
+            rows.append({"round": r + 1, "scope": scope, "prefill_seconds": s.prefill_seconds,
+                         "selection_seconds": s.selection_seconds, "fidelity": asdict(f)})
+    release(engines)
     return rows
 
 
@@ -152,9 +183,10 @@ def dtype_comparison(loaded, args, bar) -> list[dict]:
     rows, outputs = [], {}
     for dtype in ("float32", "bfloat16"):
         for mode in ("full", "tokendance"):
-            llm = LLM(loaded, dtype=dtype, reuse=mode, kv_cache_bytes=2 * 2**30, recompute_ratio=args.ratio, selection=args.selection)
+            llm = LLM(loaded, dtype=dtype, reuse=mode, kv_cache_bytes=2**30, recompute_ratio=args.ratio, selection=args.selection)
             warm_up([llm])
             outputs[(dtype, mode)] = llm.run_round(turns, params)
+            release([llm])
             bar.update(1)
     for (dtype, mode), result in outputs.items():
         f32 = compare(outputs[("float32", "full")].outputs, result.outputs)
@@ -180,65 +212,87 @@ def main() -> None:
     loaded = load_model()
     steps = len(args.agents) * args.rounds * len(MODES)
     if not args.skip_sweep:
-        steps += len(args.sweep_ratios) * len(args.sweep_selections) + 4
+        steps += len(args.sweep_ratios) * len(args.sweep_selections) + 4 + args.rounds
     started = time.perf_counter()
-    with tqdm(total=steps, desc="rounds") as bar:
-        rows = [row for n in args.agents for row in run_modes(loaded, n, args.rounds, args, bar)]
-        sweep_rows = [] if args.skip_sweep else sweep(loaded, args, bar)
-        dtype_rows = [] if args.skip_sweep else dtype_comparison(loaded, args, bar)
-    print_rounds(rows)
-    print_summary(rows, max(args.agents), args.rounds)
-    print_sweep(sweep_rows)
-    print_dtypes(dtype_rows)
+    results: dict = {"args": vars(args)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rounds": rows, "sweep": sweep_rows, "dtypes": dtype_rows,
-                               "seconds": time.perf_counter() - started}, indent=2))
+
+    def save(key: str, rows: list[dict]) -> None:
+        results[key] = rows
+        results["seconds"] = time.perf_counter() - started
+        out.write_text(json.dumps(results, indent=2))
+
+    with tqdm(total=steps, desc="rounds") as bar:
+        rows = [row for n in args.agents for row in run_modes(loaded, n, args.rounds, args, bar)]
+        save("rounds", rows)
+        bar.write(format_rounds(rows) + format_summary(rows, max(args.agents), args.rounds))
+        if not args.skip_sweep:
+            for key, part, fmt in (("sweep", sweep, format_sweep), ("dtypes", dtype_comparison, format_dtypes),
+                                   ("scopes", scope_ablation, format_scopes)):
+                part_rows = part(loaded, args, bar)
+                save(key, part_rows)
+                bar.write(fmt(part_rows))
     print(f"\nwrote {out}")
 
 
-def print_rounds(rows: list[dict]) -> None:
-    print(f"\n{'N':>3} {'rd':>2} {'mode':<11}{'prefill s':>10}{'round s':>9}{'computed':>10}{'in prompts':>11}"
-          f"{'KV MB/agent':>12}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}")
+def format_rounds(rows: list[dict]) -> str:
+    lines = [f"\n{'N':>3} {'rd':>2} {'mode':<11}{'prefill s':>10}{'round s':>9}{'computed':>10}{'in prompts':>11}"
+             f"{'KV MB/agent':>12}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}"]
     for r in rows:
         f = r["fidelity"]
-        print(f"{r['agents']:>3} {r['round']:>2} {r['mode']:<11}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}"
-              f"{r['computed_tokens']:>10.0f}{r['prompt_tokens']:>11}{r['kv_bytes_per_agent'] / 2**20:>12.2f}"
-              f"{r['shared_compression']:>9.2f}{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+        lines.append(
+            f"{r['agents']:>3} {r['round']:>2} {r['mode']:<11}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}"
+            f"{r['computed_tokens']:>10.0f}{r['prompt_tokens']:>11}{r['kv_bytes_per_agent'] / 2**20:>12.2f}"
+            f"{r['shared_compression']:>9.2f}{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+    return "\n".join(lines)
 
 
-def print_summary(rows: list[dict], agents: int, round_index: int) -> None:
+def format_summary(rows: list[dict], agents: int, round_index: int) -> str:
     at = {r["mode"]: r for r in rows if r["agents"] == agents and r["round"] == round_index}
     if "tokendance" not in at:
-        return
-    td = at["tokendance"]
-    print(f"\nN={agents}, round {round_index}: tokendance prefill {at['prefix']['prefill_seconds'] / td['prefill_seconds']:.2f}x "
-          f"faster than prefix, {at['pic']['prefill_seconds'] / td['prefill_seconds']:.2f}x faster than pic; "
-          f"round latency {at['prefix']['round_seconds'] / td['round_seconds']:.2f}x vs prefix; "
-          f"KV per agent {at['prefix']['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x smaller than prefix; "
-          f"shared-block compression {td['shared_compression']:.2f}x; top-1 agreement {td['fidelity']['top1_agreement']:.2f}")
-    print(f"time split (s): lookup {td['lookup_seconds']:.2f}, selection {td['selection_seconds']:.2f}, "
-          f"recompute {td['recompute_seconds']:.2f}, private prefill {td['private_prefill_seconds']:.2f}, decode {td['decode_seconds']:.2f}")
+        return ""
+    td, prefix, pic = at["tokendance"], at["prefix"], at["pic"]
+    return (
+        f"\n\nN={agents}, round {round_index}: tokendance prefill {prefix['prefill_seconds'] / td['prefill_seconds']:.2f}x "
+        f"faster than prefix, {pic['prefill_seconds'] / td['prefill_seconds']:.2f}x faster than pic; "
+        f"round latency {prefix['round_seconds'] / td['round_seconds']:.2f}x vs prefix; "
+        f"KV per agent {prefix['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x smaller than prefix; "
+        f"shared-block compression {td['shared_compression']:.2f}x; top-1 agreement {td['fidelity']['top1_agreement']:.2f}"
+        f"\ntime split (s): lookup {td['lookup_seconds']:.2f}, selection {td['selection_seconds']:.2f}, "
+        f"recompute {td['recompute_seconds']:.2f}, private prefill {td['private_prefill_seconds']:.2f}, "
+        f"decode {td['decode_seconds']:.2f}"
+    )
 
 
-def print_sweep(rows: list[dict]) -> None:
-    if not rows:
-        return
-    print(f"\n{'selection':<17}{'ratio':>6}{'prefill s':>10}{'vs full':>8}{'shared x':>9}{'diff blk':>9}{'top1':>6}{'KL':>7}{'same':>6}{'prefix':>7}")
+def format_sweep(rows: list[dict]) -> str:
+    lines = [f"\n{'selection':<17}{'ratio':>6}{'prefill s':>10}{'vs full':>8}{'shared x':>9}{'diff blk':>9}"
+             f"{'top1':>6}{'KL':>7}{'same':>6}{'prefix':>7}"]
     for r in rows:
         f = r["fidelity"]
-        print(f"{r['selection']:<17}{r['ratio']:>6.2f}{r['prefill_seconds']:>10.2f}{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x"
-              f"{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}"
-              f"{f['identical_fraction']:>6.2f}{f['mean_common_prefix']:>7.1f}")
+        lines.append(
+            f"{r['selection']:<17}{r['ratio']:>6.2f}{r['prefill_seconds']:>10.2f}"
+            f"{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}"
+            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}{f['mean_common_prefix']:>7.1f}")
+    return "\n".join(lines)
 
 
-def print_dtypes(rows: list[dict]) -> None:
-    if not rows:
-        return
-    print(f"\n{'dtype':<10}{'mode':<12}{'prefill s':>10}{'round s':>9}{'top1 vs fp32 full':>19}{'KL':>7}")
+def format_dtypes(rows: list[dict]) -> str:
+    lines = [f"\n{'dtype':<10}{'mode':<12}{'prefill s':>10}{'round s':>9}{'top1 vs fp32 full':>19}{'KL':>7}"]
     for r in rows:
         f = r["fidelity_vs_fp32_full"]
-        print(f"{r['dtype']:<10}{r['mode']:<12}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}{f['top1_agreement']:>19.2f}{f['mean_kl']:>7.3f}")
+        lines.append(f"{r['dtype']:<10}{r['mode']:<12}{r['prefill_seconds']:>10.2f}{r['round_seconds']:>9.2f}"
+                     f"{f['top1_agreement']:>19.2f}{f['mean_kl']:>7.3f}")
+    return "\n".join(lines)
+
+
+def format_scopes(rows: list[dict]) -> str:
+    lines = [f"\n{'round':>5} {'selection scope':<16}{'prefill s':>10}{'selection s':>12}{'top1':>6}{'KL':>7}"]
+    for r in rows:
+        f = r["fidelity"]
+        lines.append(f"{r['round']:>5} {r['scope']:<16}{r['prefill_seconds']:>10.2f}{r['selection_seconds']:>12.2f}"
+                     f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
