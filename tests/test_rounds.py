@@ -91,7 +91,8 @@ def test_diff_blocks_are_the_selected_tokens_footprint(make_llm, selection):
         # recomputed tokens are packed: the diff is about their count, not the span's size
         assert len(selected_blocks) <= math.ceil(selected / block_size) + len(spans)
         assert len(selected_blocks) < sum(math.ceil((s.end - s.start) / block_size) for s in spans)
-    assert result.stats.recomputed_tokens == len(AGENTS) * sum(
+    # the first agent computes its spans in full (the masters); the others recompute their share
+    assert result.stats.recomputed_tokens == (len(AGENTS) - 1) * sum(
         math.ceil(ratio * (s.end - s.start)) for s in _shared_spans(llm, "ada")
     )
 

@@ -43,8 +43,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Rounds (LLM.run_round): how shared spans are reused; see tokendance/engine/rounds.py.
     reuse: str = "prefix"  # "full" | "prefix" | "pic" | "tokendance"
-    recompute_ratio: float = 0.15
-    selection: str = "cacheblend"  # "cacheblend" | "cacheblend-block" | "epic"
+    recompute_ratio: float = 0.05  # chosen by benchmarks/round.py's sweep (see README)
+    selection: str = "epic"  # "epic" | "cacheblend" | "cacheblend-block"
     check_layer: int = 1
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 

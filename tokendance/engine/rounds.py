@@ -177,7 +177,6 @@ class RoundRunner:
         if self.mode in ("full", "prefix"):
             return [], PrefillReport()
         agents = [self._open_table(r, t) for r, t in zip(requests, tokenized)]
-        self.round_kv.set_anchor(tokenized)
         report = self.strategy.prefill(agents)
         for request, agent in zip(requests, agents):
             request.num_computed_tokens = agent.num_prepared

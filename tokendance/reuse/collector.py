@@ -2,13 +2,16 @@
 
 Two strategies behind one interface (`prefill(agents)`):
 
-- `PerRequestReuse` (`pic`, the CacheBlend baseline): every agent on its own looks up each shared
-  span's base KV, copies it into its own blocks with positions corrected, runs its own check pass
-  and recomputes its selected tokens. N agents pay N times, and store N copies.
+- `PerRequestReuse` (`pic`, the CacheBlend baseline): agent after agent, each looks up every
+  shared span's base KV, copies it into its own blocks with positions corrected, runs its own
+  check pass and recomputes its selected tokens. N agents pay N times, and store N copies.
 - `KVCollector` (`tokendance`): once per round for all agents: one base KV per distinct span
   (the master), one batched check pass, and one batched recompute. Agents' tables point at the
   master's slots in place (keys rotated when read) and hold private slots only for the tokens
   they recompute and their private text (Master-Mirror: the mirror is the block-sparse diff).
+
+In both, a span's base KV is the KV the first agent holding it computed in its own full context
+(for the KV Collector: the fewest agents covering every span compute their prompts in full).
 
 Both leave each agent with a table covering tokens [0, L-1) of its prompt; the scheduler then
 computes the last token and decodes as usual.
@@ -88,8 +91,9 @@ class RoundKV:
         self.max_batch_tokens = max_batch_tokens
         self.reclaim = reclaim
         self.num_layers = len(runner.model.layers)
-        self.masters: dict[bytes, str] = {}  # span key -> master table id (this round)
-        self.anchor: list[int] = []  # tokens computed before every master span (see set_anchor)
+        # span key -> (table, first token) of its master: the span as the first agent holding it
+        # computed it, in that agent's own context (see KVCollector)
+        self.masters: dict[bytes, tuple[str, int, int]] = {}
 
     # ------------------------------------------------------------ allocation
 
@@ -102,9 +106,15 @@ class RoundKV:
                 raise CapacityError(f"the KV pool cannot hold this round ({count} more tokens needed)")
 
     def release_masters(self) -> None:
-        for table_id in self.masters.values():
-            self.kv.free(table_id)
+        """Forget this round's masters (their blocks live on while any table references them)."""
         self.masters.clear()
+
+    def register_masters(self, agent: "AgentPrefill") -> None:
+        """Make the agent's computed shared spans the masters of spans not mastered yet."""
+        for index in agent.spans_to_reuse():
+            span = agent.turn.spans[index]
+            if span.key not in self.masters and index not in agent.reused_spans:
+                self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
 
     # ------------------------------------------------------------ forward passes
 
@@ -121,33 +131,9 @@ class RoundKV:
         if group:
             self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
 
-    def set_anchor(self, turns: list[TokenizedTurn], max_tokens: int = 32) -> None:
-        """Masters are prefilled after the round's common prompt prefix (e.g. the chat template's
-        system header), capped: a span encoded at position 0 turns its first token into an
-        attention sink that no agent's context has, and that error dominates the deviation."""
-        first = turns[0].token_ids
-        common = min(len(first), max_tokens)
-        for turn in turns[1:]:
-            common = next((i for i, (a, b) in enumerate(zip(first[:common], turn.token_ids)) if a != b), min(common, len(turn.token_ids)))
-        self.anchor = list(first[:common])
-
-    def compute_masters(self, spans: dict[bytes, list[int]]) -> int:
-        """One prefill of anchor + span per span not yet mastered this round."""
-        items = []
-        for key, token_ids in spans.items():
-            if key in self.masters:
-                continue
-            table_id = f"master:{key.hex()[:16]}:{len(self.masters)}"
-            self.kv.create_table(table_id)
-            self.masters[key] = table_id
-            tokens = self.anchor + list(token_ids)
-            slots = self.private_slots(table_id, len(tokens))
-            items.append(ScheduledRequest(table_id, tokens, range(len(tokens)), slots, False, None))
-        self.run(items)
-        return sum(len(i.token_ids) for i in items)
-
     def master_slots(self, key: bytes) -> list[int]:
-        return self.kv.get_slots(self.masters[key])[len(self.anchor):]
+        table_id, start, length = self.masters[key]
+        return self.kv.get_slots(table_id)[start:start + length]
 
     def check_keys(self, agents: list[AgentPrefill], table_slots: Callable[[AgentPrefill], list[int]]) -> list[torch.Tensor]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
@@ -202,15 +188,6 @@ def private_positions(agent: AgentPrefill) -> list[int]:
     return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
 
 
-def distinct_spans(agents: list[AgentPrefill]) -> dict[bytes, list[int]]:
-    spans: dict[bytes, list[int]] = {}
-    for agent in agents:
-        for index in agent.spans_to_reuse():
-            span = agent.turn.spans[index]
-            spans.setdefault(span.key, agent.token_ids[span.start:span.end])
-    return spans
-
-
 class KVCollector:
     """Collective reuse for a whole round (`tokendance`). `scope` picks how selection is shared:
     "agent" = one batched check pass, each agent selects its own tokens; "block" = one check pass
@@ -223,21 +200,29 @@ class KVCollector:
     def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
         rk, report = self.round_kv, PrefillReport()
         started = time.perf_counter()
-        spans = distinct_spans(agents)
-        report.computed_tokens += rk.compute_masters(spans)
         for agent in agents:
             agent.reused_spans = agent.spans_to_reuse()
+        # Masters: the fewest agents whose prompts hold every distinct span compute their prompts
+        # in full; their in-context KV of each span is the base every other agent reuses (closer
+        # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
+        masters = _first_holders(agents)
+        for agent in masters:
+            agent.reused_spans = []
+            self._build_table(agent)
+        report.computed_tokens += rk.recompute(masters, private_positions)
+        for agent in masters:
+            rk.register_masters(agent)
+        others = [a for a in agents if all(a is not m for m in masters)]
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
-        report.computed_tokens += self._select(agents)
+        report.computed_tokens += self._select(others)
         report.selection_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
-        for agent in agents:
+        for agent in others:
             self._build_table(agent)
-        recomputed = rk.recompute(agents, private_positions)
-        report.computed_tokens += recomputed
+        report.computed_tokens += rk.recompute(others, private_positions)
         report.recompute_seconds = time.perf_counter() - started
         _count_reuse(agents, report)
         return report
@@ -329,14 +314,11 @@ class PerRequestReuse:
         return report
 
     def _prefill_one(self, agent: AgentPrefill, report: PrefillReport) -> None:
+        """Spans seen before are reused; the first agent holding a span computes it in full and
+        its KV becomes the span's base (as a KV store fills from the requests it serves)."""
         rk = self.round_kv
         started = time.perf_counter()
-        agent.reused_spans = agent.spans_to_reuse()
-        if not agent.reused_spans:
-            report.computed_tokens += rk.recompute([agent], private_positions)
-            return
-        spans = {agent.turn.spans[i].key: agent.token_ids[agent.turn.spans[i].start:agent.turn.spans[i].end] for i in agent.reused_spans}
-        report.computed_tokens += rk.compute_masters(spans)
+        agent.reused_spans = [i for i in agent.spans_to_reuse() if agent.turn.spans[i].key in rk.masters]
         slots = rk.kv.get_slots(agent.table_id)
         for index in agent.reused_spans:
             span = agent.turn.spans[index]
@@ -345,7 +327,7 @@ class PerRequestReuse:
 
         started = time.perf_counter()
         selector = rk.selector
-        if selector.needs_check_pass:
+        if selector.needs_check_pass and agent.reused_spans:
             (keys,) = rk.check_keys([agent], lambda a: rk.kv.get_slots(a.table_id))
             report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
         for index in agent.reused_spans:
@@ -359,5 +341,5 @@ class PerRequestReuse:
 
         started = time.perf_counter()
         report.computed_tokens += rk.recompute([agent], private_positions)
+        rk.register_masters(agent)
         report.recompute_seconds += time.perf_counter() - started
-
