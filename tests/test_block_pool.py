@@ -135,3 +135,45 @@ def test_random_operations_keep_pool_invariants(ops, num_blocks, block_size):
         kv.free(request_id)
     assert kv.pool.num_free == num_blocks
     assert all(count == 0 for count in kv.pool.ref_counts)
+
+
+shared_operations = st.lists(
+    st.tuples(
+        st.sampled_from(["plain", "mirror", "truncate", "free", "rename"]),
+        st.integers(0, 4),  # table index
+        st.integers(0, 4),  # source table index (mirror)
+        st.integers(1, 30),  # token count
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_operations, st.integers(4, 16), st.sampled_from([1, 4]))
+def test_tables_sharing_slots_keep_pool_invariants(ops, num_blocks, block_size):
+    """Mirrors point at other tables' slots; ending any table never frees a block another holds."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
+    for op, index, source, count in ops:
+        table, other = f"t{index}", f"t{source}"
+        if op == "plain" and not kv.has(table):
+            kv.allocate_slots(table, count, 0)
+        elif op == "mirror" and not kv.has(table) and kv.has(other) and table != other:
+            kv.create_table(table)
+            kv.append_shared_slots(table, kv.get_slots(other)[:count])
+            if kv.append_private_slots(table, count % 5) is None:
+                assert kv.pool.num_free < kv.num_blocks_needed(count % 5)
+        elif op == "truncate" and kv.has(table):
+            kv.truncate(table, count)
+        elif op == "rename" and kv.has(table) and not kv.has(f"{table}r"):
+            kv.rename(table, f"{table}r")
+        elif op == "free":
+            kv.free(table)
+        check_invariants(kv.pool)
+        holders = [b for r in kv.requests.values() for b in r.block_ids]
+        assert sorted(holders) == sorted(b for b in range(num_blocks) for _ in range(kv.pool.ref_counts[b]))
+        for rid, held in kv.requests.items():
+            assert len(set(held.block_ids)) == len(held.block_ids)  # one reference per table
+            assert {s // block_size for s in kv.get_slots(rid)} <= set(held.block_ids)
+    for table in list(kv.requests):
+        kv.free(table)
+    assert kv.pool.num_free == num_blocks

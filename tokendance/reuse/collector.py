@@ -135,7 +135,7 @@ class RoundKV:
         table_id, start, length = self.masters[key]
         return self.kv.get_slots(table_id)[start:start + length]
 
-    def check_keys(self, agents: list[AgentPrefill], table_slots: Callable[[AgentPrefill], list[int]]) -> list[torch.Tensor]:
+    def check_keys(self, agents: list[AgentPrefill]) -> list[torch.Tensor]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
         its real context through the first check_layer+1 layers, in scratch slots."""
         scratch = []
@@ -143,7 +143,7 @@ class RoundKV:
         for index, agent in enumerate(agents):
             table_id = f"scratch:{index}"
             self.kv.create_table(table_id)
-            self.kv.append_shared_slots(table_id, table_slots(agent)[: agent.num_reused_prefix])
+            self.kv.append_shared_slots(table_id, self.kv.get_slots(agent.table_id)[: agent.num_reused_prefix])
             new = range(agent.num_reused_prefix, agent.num_prepared)
             self.private_slots(table_id, len(new))
             slots = self.kv.get_slots(table_id)
@@ -237,7 +237,7 @@ class KVCollector:
             return 0.0
         with_spans = [a for a in agents if a.reused_spans]
         probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
-        fresh = rk.check_keys(probes, lambda a: rk.kv.get_slots(a.table_id))
+        fresh = rk.check_keys(probes)
         chosen: dict[bytes, list[int]] = {}
         for agent, keys in zip(probes, fresh):
             for index in agent.reused_spans:
@@ -328,7 +328,7 @@ class PerRequestReuse:
         started = time.perf_counter()
         selector = rk.selector
         if selector.needs_check_pass and agent.reused_spans:
-            (keys,) = rk.check_keys([agent], lambda a: rk.kv.get_slots(a.table_id))
+            (keys,) = rk.check_keys([agent])
             report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
         for index in agent.reused_spans:
             span = agent.turn.spans[index]
