@@ -62,10 +62,17 @@ def test_exactly_cached_prompt_uses_copy_on_write(make_llm):
     llm = make_llm(dtype="float32", block_size=8)
     prompt = llm.tokenizer.encode(llm.render_chat(conversations()[0]))
     prompt = prompt[: (len(prompt) // 8) * 8]  # a whole number of blocks
-    (first,) = llm.generate(prompt, GREEDY)
-    (second,) = llm.generate(prompt, GREEDY)
-    assert second.num_cached_tokens == len(prompt) - 1
-    assert second.token_ids == first.token_ids
+    params = SamplingParams(temperature=0, max_tokens=24, return_logits=1)
+    llm.generate("An unrelated prompt that fills some blocks with other positions " * 3, params)
+    (first,) = llm.generate(prompt, params)
+    # Both hit every block; the first writes its last token in place, the second shares the last
+    # block with it and must copy it first.
+    both = llm.generate([prompt, prompt], params)
+    for output in both:
+        assert output.num_cached_tokens == len(prompt) - 1
+        assert output.token_ids == first.token_ids
+        # the copied block carries its keys' positions too, else they would be rotated when read
+        assert (output.logits[0] - first.logits[0]).abs().max().item() < 1e-3
     assert llm.engine.kv.pool.num_used == 0
 
 

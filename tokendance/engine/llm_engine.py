@@ -28,6 +28,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the round runner; `step` is the only place
+    results re-enter the engine."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded` reuses weights already in memory (several engines over one model)."""
         self.config = config
@@ -98,7 +101,7 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif request_id in self.requests:
+        elif request_id in self.requests or self.kv.has(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         return Request(
             request_id=request_id,
@@ -162,7 +165,7 @@ class LLMEngine:
 
     def _check_stop_strings(self, request: Request) -> None:
         stops = request.sampling_params.stop_strings
-        if not stops:
+        if not stops or request.status is RequestStatus.FINISHED:
             return
         text = self.tokenizer.decode(request.output_token_ids)
         found = [i for i in (text.find(s) for s in stops) if i >= 0]

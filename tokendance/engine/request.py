@@ -26,7 +26,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     namespace: str = ""
     prompt: str | None = None
-    arrival_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -37,6 +36,7 @@ class Request:
     stop_text_end: int | None = None  # where a matched stop string starts in the output text
     logits: list = field(default_factory=list)  # per generated token, if return_logits
     retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
+    prepared: bool = False  # a round prefill built its table for [0, num_computed_tokens)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -141,20 +141,22 @@ class RoundRunner:
         self.active = {t.agent_id for t in tokenized}
         started = time.perf_counter()
         try:
-            agents, report = self._prefill(requests, tokenized)
-        except BaseException:
+            report = self._prefill(requests, tokenized)
             for request in requests:
-                self.engine.kv.free(request.request_id)
+                request.retain_kv = True
+                self.engine.add(request)
+            outputs = self._drain({r.request_id for r in requests})
+        except BaseException:
+            for request in requests:  # nothing of a failed round stays behind
+                if self.engine.abort_request(request.request_id) is None:
+                    self.engine.kv.free(request.request_id)
             self.round_kv.release_masters()
             self.active = set()
+            self._finished_tables = []
             raise
-        for request in requests:
-            request.retain_kv = True
-            self.engine.add(request)
-        outputs = self._drain({r.request_id for r in requests})
         results = [outputs[r.request_id] for r in requests]
         self._fill_times(stats, report, results, started)
-        self._fill_kv(stats, requests, tokenized, report)
+        self._fill_kv(stats, requests, tokenized)
         self._finish_round(requests, tokenized)
         return RoundResult(results, stats)
 
@@ -175,14 +177,20 @@ class RoundRunner:
 
     def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]):
         if self.mode in ("full", "prefix"):
-            return [], PrefillReport()
-        agents = [self._open_table(r, t) for r, t in zip(requests, tokenized)]
+            return PrefillReport()
+        agents = []
+        for request, turn in zip(requests, tokenized):
+            agents.append(self._open_table(request, turn))
         report = self.strategy.prefill(agents)
         for request, agent in zip(requests, agents):
+            request.prepared = True
             request.num_computed_tokens = agent.num_prepared
             reused = sum(agent.turn.spans[i].end - agent.turn.spans[i].start - len(agent.selected.get(i, ())) for i in agent.reused_spans)
             request.num_cached_tokens = agent.num_reused_prefix + reused
-        return agents, report
+            if self.mode == "pic":  # only the exact prefix before the first blended span is cacheable
+                exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
+                self.engine.kv.mark_irregular(request.request_id, exact, request.token_ids, request.namespace)
+        return report
 
     def _open_table(self, request: Request, turn: TokenizedTurn) -> AgentPrefill:
         """The agent's table with the prefix its session (tokendance) or the prefix cache (pic)
@@ -209,18 +217,34 @@ class RoundRunner:
         return AgentPrefill(request.request_id, turn, cached)
 
     def _drain(self, request_ids: set[str]) -> dict[str, RequestOutput]:
+        """Step the engine until every request of the round finished. (The offline API runs one
+        round at a time, so no other request finishes meanwhile.)"""
         done: dict[str, RequestOutput] = {}
         while len(done) < len(request_ids):
-            for output in self.engine.step():
+            outputs = self.engine.step()
+            if not outputs and not self.engine.scheduler.running:
+                self._unprepare_waiting()
+            for output in outputs:
                 if output.finished and output.request_id in request_ids:
                     done[output.request_id] = output
                     self._finished_tables.append(output.request_id)
         return done
 
+    def _unprepare_waiting(self) -> None:
+        """Nothing could run: waiting round requests hold prepared tables the pool needs. Drop
+        them; the requests are recomputed like any preempted request (never lost)."""
+        stuck = [r for r in self.engine.scheduler.waiting if r.prepared]
+        if not stuck:
+            raise CapacityError("the KV pool cannot make progress on this round")
+        for request in stuck:
+            self.engine.kv.free(request.request_id)
+            request.prepared = False
+            request.num_computed_tokens = 0
+
     def _finish_round(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> None:
         for request, turn in zip(requests, tokenized):
             if not self.engine.kv.has(request.request_id):
-                continue  # aborted
+                continue  # its kept table was reclaimed under memory pressure
             if self.mode == "tokendance":
                 table_id = f"session:{turn.agent_id}"
                 self.engine.kv.rename(request.request_id, table_id)
@@ -254,7 +278,7 @@ class RoundRunner:
         stats.reused_tokens = report.reused_tokens
         stats.recomputed_tokens = report.recomputed_tokens
 
-    def _fill_kv(self, stats: RoundStats, requests: list[Request], tokenized: list[TokenizedTurn], report) -> None:
+    def _fill_kv(self, stats: RoundStats, requests: list[Request], tokenized: list[TokenizedTurn]) -> None:
         kv = self.engine.kv
         tables = [r.request_id for r in requests if kv.has(r.request_id)]
         holders: dict[int, int] = {}

@@ -56,7 +56,7 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self.kv.has(request.request_id):  # prepared by a round prefill: table and count set
+            if request.prepared:  # a round prefill built its table and set its computed count
                 hit, num_computed = NO_HIT, request.num_computed_tokens
             else:
                 hit = self.kv.find_prefix_hit(request.token_ids, request.namespace)
@@ -100,6 +100,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.prepared = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

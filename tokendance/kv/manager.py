@@ -58,6 +58,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ lookups
 
+    def mark_irregular(self, request_id: str, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
+        """Offer only the first `num_cacheable_tokens` (exact KV) to the prefix cache, never the rest
+        of the table (e.g. blended, position-corrected copies)."""
+        self.register_computed_blocks(request_id, token_ids, num_cacheable_tokens, namespace)
+        self.requests[request_id].regular = False
+
     def find_prefix_hit(self, token_ids: Sequence[int], namespace: str) -> PrefixHit:
         if not self.enable_prefix_caching:
             return NO_HIT
@@ -181,6 +187,7 @@ class KVCacheManager:
         missing = self.num_blocks_needed(max(0, count - len(kv.spare)))
         if missing > self.pool.num_free:
             return None
+        kv.regular = False
         start = len(kv.slots)
         self._grow(kv, start + count)
         return kv.slots[start:]
@@ -192,6 +199,7 @@ class KVCacheManager:
             return
         kv.slots = kv.slots[:num_tokens]
         kv.spare = []
+        kv.regular = False  # a partial last block no longer follows token order
         kv.block_hashes = kv.block_hashes[: num_tokens // self.block_size]
         kv.num_registered_blocks = min(kv.num_registered_blocks, len(kv.block_hashes))
         needed = {slot // self.block_size for slot in kv.slots}
@@ -203,10 +211,6 @@ class KVCacheManager:
         if new_id in self.requests:
             raise KeyError(f"table {new_id!r} exists")
         self.requests[new_id] = self.requests.pop(request_id)
-
-    def num_private_blocks(self, request_id: str) -> int:
-        """Blocks only this table holds."""
-        return sum(1 for b in self.requests[request_id].block_ids if self.pool.ref_counts[b] == 1)
 
     def held_blocks(self, request_ids: Iterable[str]) -> set[int]:
         return {b for r in request_ids for b in self.requests[r].block_ids}

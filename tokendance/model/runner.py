@@ -181,6 +181,8 @@ class ModelRunner:
         dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
         for cache in (*self.kv_cache.keys, *self.kv_cache.values):
             cache.index_copy_(0, dst, cache.index_select(0, src))
+        positions = self.kv_cache.positions
+        positions.index_copy_(0, dst, positions.index_select(0, src))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -91,8 +91,8 @@ class RoundKV:
         self.max_batch_tokens = max_batch_tokens
         self.reclaim = reclaim
         self.num_layers = len(runner.model.layers)
-        # span key -> (table, first token) of its master: the span as the first agent holding it
-        # computed it, in that agent's own context (see KVCollector)
+        # span key -> (table id, first token, length) of its master: the span as the first agent
+        # holding it computed it, in that agent's own context (see KVCollector)
         self.masters: dict[bytes, tuple[str, int, int]] = {}
 
     # ------------------------------------------------------------ allocation
@@ -113,7 +113,7 @@ class RoundKV:
         """Make the agent's computed shared spans the masters of spans not mastered yet."""
         for index in agent.spans_to_reuse():
             span = agent.turn.spans[index]
-            if span.key not in self.masters and index not in agent.reused_spans:
+            if span.key not in self.masters:
                 self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
 
     # ------------------------------------------------------------ forward passes
@@ -140,16 +140,16 @@ class RoundKV:
         its real context through the first check_layer+1 layers, in scratch slots."""
         scratch = []
         items = []
-        for index, agent in enumerate(agents):
-            table_id = f"scratch:{index}"
-            self.kv.create_table(table_id)
-            self.kv.append_shared_slots(table_id, self.kv.get_slots(agent.table_id)[: agent.num_reused_prefix])
-            new = range(agent.num_reused_prefix, agent.num_prepared)
-            self.private_slots(table_id, len(new))
-            slots = self.kv.get_slots(table_id)
-            items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
-            scratch.append(table_id)
         try:
+            for index, agent in enumerate(agents):
+                table_id = f"scratch:{index}"
+                self.kv.create_table(table_id)
+                scratch.append(table_id)
+                self.kv.append_shared_slots(table_id, self.kv.get_slots(agent.table_id)[: agent.num_reused_prefix])
+                new = range(agent.num_reused_prefix, agent.num_prepared)
+                self.private_slots(table_id, len(new))
+                slots = self.kv.get_slots(table_id)
+                items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
             self.run(items, num_layers=self.check_layer + 1)
             return [
                 self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
@@ -202,7 +202,7 @@ class KVCollector:
         started = time.perf_counter()
         for agent in agents:
             agent.reused_spans = agent.spans_to_reuse()
-        # Masters: the fewest agents whose prompts hold every distinct span compute their prompts
+        # Masters: a few agents whose prompts hold every distinct span (greedy cover) compute them
         # in full; their in-context KV of each span is the base every other agent reuses (closer
         # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
         masters = _first_holders(agents)
@@ -277,7 +277,7 @@ class KVCollector:
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """The fewest agents (greedily, in order) whose reused spans cover every distinct span."""
+    """A small set of agents whose reused spans cover every distinct span (greedy, in order)."""
     seen: set[bytes] = set()
     holders = []
     for agent in agents:
