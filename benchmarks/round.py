@@ -74,19 +74,18 @@ class AllGather:
         return turns
 
 
-def kv_budget(loaded, dtype: str, workload: AllGather, rounds: int, llm_tokens=None) -> int:
+def kv_budget(loaded, dtype: str, num_tokens: int, num_agents: int) -> int:
     """Enough KV for every agent's whole last-round prompt held privately, plus headroom."""
-    tokenizer_probe = llm_tokens(workload.turns(rounds - 1))
     per_token = KVCacheTensors.bytes_per_slot(loaded.config, getattr(torch, dtype))
-    return int(1.3 * (tokenizer_probe + 64 * len(workload.agents)) * per_token) + 64 * 2**20
+    return int(1.3 * (num_tokens + 64 * num_agents) * per_token) + 64 * 2**20
 
 
 def run_modes(loaded, num_agents: int, rounds: int, args, bar) -> list[dict]:
     workload = AllGather(num_agents, seed=args.seed)
-    probe = LLM(loaded, dtype=args.dtype, kv_cache_bytes=16 * 2**20)
-    count = lambda turns: sum(len(probe.tokenizer.encode(probe.render_chat(t.messages))) for t in turns)  # noqa: E731
-    budget = kv_budget(loaded, args.dtype, workload, rounds, count)
-    del probe
+    tokenizer = loaded.tokenizer
+    last = workload.turns(rounds - 1)
+    num_tokens = sum(len(tokenizer.encode(tokenizer.apply_chat_template(t.messages))) for t in last)
+    budget = kv_budget(loaded, args.dtype, num_tokens, num_agents)
     engines = {
         mode: LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=budget,
                   recompute_ratio=args.ratio, selection=args.selection)

@@ -15,15 +15,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokendance.engine.modes import make_mode
 from tokendance.engine.request import Request
 from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.outputs import RequestOutput
-from tokendance.reuse.collector import AgentPrefill, KVCollector, PerRequestReuse, PrefillReport, RoundKV
+from tokendance.reuse.collector import PrefillReport, RoundKV
 from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
 from tokendance.reuse.selection import make_selector
 from tokendance.sampling import SamplingParams
-
-REUSE_MODES = ("full", "prefix", "pic", "tokendance")
 
 
 @dataclass
@@ -84,17 +83,12 @@ class RoundRunner:
 
     def __init__(self, engine, mode: str, selection: str, recompute_ratio: float,
                  check_layer: int, collective_scope: str):
-        if mode not in REUSE_MODES:
-            raise InvalidRequestError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {mode!r}")
-        if collective_scope not in ("agent", "block"):
-            raise InvalidRequestError(f"collective_selection must be 'agent' or 'block', got {collective_scope!r}")
         self.engine = engine
-        self.mode = mode
         self.round_kv = RoundKV(
             engine.kv, engine.runner, make_selector(selection, recompute_ratio), check_layer,
             engine.config.max_num_batched_tokens, self.reclaim,
         )
-        self.strategy = KVCollector(self.round_kv, collective_scope) if mode == "tokendance" else PerRequestReuse(self.round_kv)
+        self.mode = make_mode(mode, self.round_kv, collective_scope)
         self.sessions: dict[str, Session] = {}
         self.active: set[str] = set()
         self.round_index = 0
@@ -137,7 +131,7 @@ class RoundRunner:
             self.engine.make_request(t.token_ids, params, request_id=f"round{self.round_index}:{t.agent_id}", namespace=t.namespace)
             for t in tokenized
         ]
-        stats = RoundStats(self.round_index, self.mode, len(turns))
+        stats = RoundStats(self.round_index, self.mode.name, len(turns))
         self.active = {t.agent_id for t in tokenized}
         started = time.perf_counter()
         try:
@@ -175,46 +169,20 @@ class RoundRunner:
             raise InvalidRequestError("sampling params must be SamplingParams")
         return tokenize_round(self.engine.tokenizer, turns)
 
-    def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]):
-        if self.mode in ("full", "prefix"):
+    def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> PrefillReport:
+        if not self.mode.prepares_tables:
             return PrefillReport()
         agents = []
         for request, turn in zip(requests, tokenized):
-            agents.append(self._open_table(request, turn))
-        report = self.strategy.prefill(agents)
+            agents.append(self.mode.open_table(self, request, turn))
+        report = self.mode.prefill(agents)
         for request, agent in zip(requests, agents):
             request.prepared = True
             request.num_computed_tokens = agent.num_prepared
             reused = sum(agent.turn.spans[i].end - agent.turn.spans[i].start - len(agent.selected.get(i, ())) for i in agent.reused_spans)
             request.num_cached_tokens = agent.num_reused_prefix + reused
-            if self.mode == "pic":  # only the exact prefix before the first blended span is cacheable
-                exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
-                self.engine.kv.mark_irregular(request.request_id, exact, request.token_ids, request.namespace)
+            self.mode.after_prefill(self, request, agent)
         return report
-
-    def _open_table(self, request: Request, turn: TokenizedTurn) -> AgentPrefill:
-        """The agent's table with the prefix its session (tokendance) or the prefix cache (pic)
-        already holds; pic tables also get private slots for the whole prompt."""
-        kv, prepared = self.engine.kv, request.num_tokens - 1
-        if self.mode == "tokendance":
-            session = self.sessions.pop(turn.agent_id, None)
-            if session is None:
-                kv.create_table(request.request_id)
-                return AgentPrefill(request.request_id, turn, 0)
-            common = _common_prefix(session.token_ids, turn.token_ids, prepared)
-            kv.rename(session.table_id, request.request_id)
-            kv.truncate(request.request_id, common)
-            return AgentPrefill(request.request_id, turn, common)
-        hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
-        cached = min(hit.num_tokens(kv.block_size), prepared)
-        while True:
-            copies = kv.allocate_slots(request.request_id, prepared, cached, hit)
-            if copies is not None:
-                break
-            if not self.reclaim():
-                raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
-        self.engine.runner.copy_blocks(copies)
-        return AgentPrefill(request.request_id, turn, cached)
 
     def _drain(self, request_ids: set[str]) -> dict[str, RequestOutput]:
         """Step the engine until every request of the round finished. (The offline API runs one
@@ -245,7 +213,7 @@ class RoundRunner:
         for request, turn in zip(requests, tokenized):
             if not self.engine.kv.has(request.request_id):
                 continue  # its kept table was reclaimed under memory pressure
-            if self.mode == "tokendance":
+            if self.mode.keeps_sessions:
                 table_id = f"session:{turn.agent_id}"
                 self.engine.kv.rename(request.request_id, table_id)
                 computed = request.token_ids[: request.num_computed_tokens]
@@ -270,7 +238,7 @@ class RoundRunner:
             0.0, stats.prefill_seconds - report.lookup_seconds - report.selection_seconds - report.recompute_seconds
         )
         stats.prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
-        if self.mode in ("full", "prefix"):
+        if not self.mode.prepares_tables:
             scheduler_side = sum(o.num_prompt_tokens - o.num_cached_tokens for o in outputs)
         else:  # the round prefill prepared all but the last prompt token
             scheduler_side = len(outputs)
@@ -312,12 +280,4 @@ class RoundRunner:
         stats.shared_physical_tokens = len(shared_slots)
         stats.shared_compression = stats.shared_logical_tokens / max(1, stats.shared_physical_tokens)
         stats.diff_blocks = sum(a.diff_blocks for a in stats.agents)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
