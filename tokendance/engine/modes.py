@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokendance.engine.request import Request
 from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.reuse.collector import AgentPrefill, KVCollector, PerRequestReuse, PrefillReport, RoundKV
-from tokendance.reuse.segments import TokenizedTurn
+from tokendance.reuse.segments import TokenizedTurn, common_prefix
 
 REUSE_MODES = ("full", "prefix", "pic", "tokendance")
 
@@ -82,7 +82,7 @@ class CollectiveMode(ReuseMode):
         if session is None:
             kv.create_table(request.request_id)
             return AgentPrefill(request.request_id, turn, 0)
-        common = _common_prefix(session.token_ids, turn.token_ids, prepared)
+        common = min(common_prefix(session.token_ids, turn.token_ids), prepared)
         kv.rename(session.table_id, request.request_id)
         kv.truncate(request.request_id, common)
         return AgentPrefill(request.request_id, turn, common)
@@ -101,8 +101,3 @@ def make_mode(name: str, round_kv: RoundKV, collective_scope: str) -> ReuseMode:
     if name == "tokendance":
         return CollectiveMode(round_kv, collective_scope)
     return SchedulerOnly(name)
-
-
-def _common_prefix(a, b, limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -35,10 +35,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def reset_watermark(self) -> None:
         self.min_free = len(self._free)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokendance.outputs import RequestOutput
+from tokendance.reuse.segments import common_prefix
 
 
 @dataclass
@@ -34,8 +35,3 @@ def compare(reference: Sequence[RequestOutput], other: Sequence[RequestOutput]) 
         kl = (ref_log.exp() * (ref_log - got_log)).sum(-1).mean().item()
     n = max(1, len(reference))
     return Fidelity(len(reference), sum(identical) / n, sum(prefixes) / n, top1, kl)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -57,6 +57,12 @@ class TokenizedTurn:
         return [s for s in self.spans if s.key is not None and s.end <= last]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
     """Content name of a shared segment, salted by the cache namespace."""
     return hashlib.sha256(namespace.encode() + b"\0" + array("q", token_ids).tobytes()).digest()
