@@ -64,9 +64,14 @@ class LLM:
         validate_messages(messages)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def run_round(self, turns: Sequence[AgentTurn], sampling_params: SamplingParams | None = None) -> RoundResult:
+    def run_round(
+        self,
+        turns: Sequence[AgentTurn],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> RoundResult:
         """Run one round of agent turns together; agents keep their KV between rounds (sessions)
-        and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order."""
+        and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order.
+        `sampling_params`: one for every turn, or one per turn."""
         return self.engine.rounds.run(turns, sampling_params or SamplingParams())
 
     def end_agent(self, agent_id: str) -> bool:

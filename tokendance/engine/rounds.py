@@ -12,7 +12,7 @@ is prepared before the scheduler computes its last token and decodes:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokendance.engine.modes import make_mode
@@ -125,11 +125,19 @@ class RoundRunner:
 
     # ------------------------------------------------------------ a round
 
-    def run(self, turns: Sequence[AgentTurn], params: SamplingParams) -> RoundResult:
-        tokenized = self._validate(turns, params)
+    def run(
+        self,
+        turns: Sequence[AgentTurn],
+        params: SamplingParams | Sequence[SamplingParams],
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> RoundResult:
+        """`params` is one SamplingParams for all turns or one per turn. `on_output` sees every
+        output the engine produces while the round runs (streaming, and requests outside the
+        round that share the engine, as in the server)."""
+        tokenized, params = self._validate(turns, params)
         requests = [
-            self.engine.make_request(t.token_ids, params, request_id=f"round{self.round_index}:{t.agent_id}", namespace=t.namespace)
-            for t in tokenized
+            self.engine.make_request(t.token_ids, p, request_id=f"round{self.round_index}:{t.agent_id}", namespace=t.namespace)
+            for t, p in zip(tokenized, params)
         ]
         stats = RoundStats(self.round_index, self.mode.name, len(turns))
         self.active = {t.agent_id for t in tokenized}
@@ -139,7 +147,7 @@ class RoundRunner:
             for request in requests:
                 request.retain_kv = True
                 self.engine.add(request)
-            outputs = self._drain({r.request_id for r in requests})
+            outputs = self._drain({r.request_id for r in requests}, on_output)
         except BaseException:
             for request in requests:  # nothing of a failed round stays behind
                 if self.engine.abort_request(request.request_id) is None:
@@ -154,7 +162,7 @@ class RoundRunner:
         self._finish_round(requests, tokenized)
         return RoundResult(results, stats)
 
-    def _validate(self, turns, params) -> list[TokenizedTurn]:
+    def _validate(self, turns, params) -> tuple[list[TokenizedTurn], list[SamplingParams]]:
         if not isinstance(turns, Sequence) or isinstance(turns, str) or not turns:
             raise InvalidRequestError("a round needs a non-empty list of AgentTurn")
         if not all(isinstance(t, AgentTurn) for t in turns):
@@ -165,9 +173,13 @@ class RoundRunner:
             raise InvalidRequestError(f"duplicate agent ids in the round: {', '.join(map(str, duplicates))}")
         if not all(isinstance(a, str) and a for a in ids):
             raise InvalidRequestError("agent ids must be non-empty strings")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be SamplingParams")
-        return tokenize_round(self.engine.tokenizer, turns)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(turns)
+        if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidRequestError("sampling params must be SamplingParams or one per turn")
+        if len(params) != len(turns):
+            raise InvalidRequestError(f"{len(params)} sampling params for {len(turns)} turns")
+        return tokenize_round(self.engine.tokenizer, turns), list(params)
 
     def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> PrefillReport:
         if not self.mode.prepares_tables:
@@ -184,15 +196,17 @@ class RoundRunner:
             self.mode.after_prefill(self, request, agent)
         return report
 
-    def _drain(self, request_ids: set[str]) -> dict[str, RequestOutput]:
-        """Step the engine until every request of the round finished. (The offline API runs one
-        round at a time, so no other request finishes meanwhile.)"""
+    def _drain(self, request_ids: set[str], on_output) -> dict[str, RequestOutput]:
+        """Step the engine until every request of the round finished; other requests sharing the
+        engine advance too and their outputs go to `on_output`."""
         done: dict[str, RequestOutput] = {}
         while len(done) < len(request_ids):
             outputs = self.engine.step()
             if not outputs and not self.engine.scheduler.running:
                 self._unprepare_waiting()
             for output in outputs:
+                if on_output is not None:
+                    on_output(output)
                 if output.finished and output.request_id in request_ids:
                     done[output.request_id] = output
                     self._finished_tables.append(output.request_id)
