@@ -1,0 +1,163 @@
+"""`tokendance bench capacity`: with a fixed KV budget and a round-latency SLO, the largest number
+of agents each reuse mode keeps resident while meeting the SLO.
+
+A mode "fits" N agents when, over `--rounds` rounds of the workload (open loop), no request was
+preempted, the KV each mode keeps between rounds survived (tokendance: no session evicted;
+prefix/pic: each agent's history prefix still served from the prefix cache), and every round
+after the first met the SLO. Agents that do not fit are evicted and recomputed by the engine, as
+always — the run goes on, it just does not count as fitting.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from tokendance.bench.simulation import Simulation, warm_up
+from tokendance.errors import CapacityError
+from tokendance.llm import LLM
+from tokendance.model.loader import load_model
+from tokendance.reuse.segments import common_prefix
+from tokendance.workloads import make_workload
+
+CAPACITY_MODES = ["prefix", "pic", "tokendance"]
+
+
+def find_max_agents(fits: Callable[[int], bool], low: int = 1, high: int = 64) -> tuple[int, dict[int, bool]]:
+    """Largest n in [low, high] with fits(n), for a predicate that is true up to some n and false
+    after: doubling from `low`, then bisection. Returns (0, tried) if not even `low` fits. Calls
+    `fits` O(log high) times, never twice for the same n."""
+    tried: dict[int, bool] = {}
+
+    def check(n: int) -> bool:
+        if n not in tried:
+            tried[n] = fits(n)
+        return tried[n]
+
+    if not check(low):
+        return 0, tried
+    good, bad = low, None
+    while bad is None:
+        n = min(good * 2, high)
+        if n == good:
+            return good, tried
+        if check(n):
+            good = n
+        else:
+            bad = n
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if check(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
+
+
+@dataclass
+class Trial:
+    mode: str
+    agents: int
+    fits: bool
+    round_seconds: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    evictions: int = 0
+    history_hit: float = 1.0  # prefix/pic: cached tokens / expected history prefix tokens
+    reason: str = ""
+
+
+def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
+    """Run the workload with `num_agents` in `mode` under the budget and judge whether it fits."""
+    workload = make_workload(args.workload, num_agents, seed=args.seed, order=args.order)
+    llm = LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=int(args.kv_budget_mb * 2**20),
+              recompute_ratio=args.ratio, selection=args.selection)
+    warm_up([llm])
+    evictions_before = llm.engine.rounds.num_evictions
+    trial = Trial(mode, num_agents, fits=False)
+    simulation = Simulation(workload, {mode: llm}, closed_loop=False)
+    try:
+        for _ in range(args.rounds):
+            (result,) = simulation.step().values()
+            trial.round_seconds.append(result.stats.round_seconds)
+            trial.preemptions += sum(o.num_preemptions for o in result.outputs)
+        trial.evictions = llm.engine.rounds.num_evictions - evictions_before
+        if mode != "tokendance":
+            trial.history_hit = history_hit_rate(simulation.traces[mode].results, llm.engine.kv.block_size)
+        trial.fits, trial.reason = judge(trial, args.slo_seconds)
+    except CapacityError as exc:
+        trial.reason = f"capacity: {exc}"
+    finally:
+        simulation.engines.clear()
+        del llm
+        gc.collect()
+    return trial
+
+
+def history_hit_rate(results, block_size: int) -> float:
+    """Prefix-cache hits of rounds >= 2 over what a resident history would give (the common
+    prefix with the agent's previous prompt, in whole blocks)."""
+    expected = hits = 0
+    for r in range(1, len(results)):
+        for before, now in zip(results[r - 1].outputs, results[r].outputs):
+            shared = common_prefix(before.prompt_token_ids, now.prompt_token_ids)
+            expected += shared // block_size * block_size
+            hits += min(now.num_cached_tokens, shared // block_size * block_size)
+    return hits / expected if expected else 1.0
+
+
+def judge(trial: Trial, slo_seconds: float) -> tuple[bool, str]:
+    steady = trial.round_seconds[1:] or trial.round_seconds
+    if trial.preemptions:
+        return False, f"{trial.preemptions} preemptions"
+    if trial.evictions:
+        return False, f"{trial.evictions} sessions evicted"
+    if trial.history_hit < 0.99:
+        return False, f"history prefix hit rate {trial.history_hit:.2f}"
+    if max(steady) > slo_seconds:
+        return False, f"round latency {max(steady):.1f}s > SLO {slo_seconds}s"
+    return True, "fits"
+
+
+def run_capacity(args) -> int:
+    loaded = load_model(args.model)
+    modes = args.modes or CAPACITY_MODES
+    out = Path(args.out or "benchmarks/results/capacity.json")
+    started = time.perf_counter()
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "modes": {}}
+    with tqdm(desc="capacity", unit="trial") as bar:
+        for mode in modes:
+            trials: list[Trial] = []
+
+            def fits(n: int) -> bool:
+                bar.set_postfix_str(f"{mode} N={n}")
+                trial = run_trial(loaded, mode, n, args)
+                trials.append(trial)
+                bar.update(1)
+                bar.write(f"{mode:<11} N={n:<4} {'fits' if trial.fits else 'no  '} {trial.reason}; rounds "
+                          + " ".join(f"{s:.1f}s" for s in trial.round_seconds))
+                return trial.fits
+
+            best, _ = find_max_agents(fits, 1, args.max_agents)
+            results["modes"][mode] = {"max_agents": best, "trials": [t.__dict__ for t in trials]}
+            results["seconds"] = time.perf_counter() - started
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=2))
+    print(format_capacity(results["modes"], args))
+    print(f"results in {out}")
+    return 0
+
+
+def format_capacity(modes: dict, args) -> str:
+    lines = [f"KV budget {args.kv_budget_mb:g} MB, round SLO {args.slo_seconds:g} s, {args.workload}, {args.rounds} rounds"]
+    for mode, r in modes.items():
+        lines.append(f"  {mode:<11} max agents {r['max_agents']}")
+    td, prefix = modes.get("tokendance"), modes.get("prefix")
+    if td and prefix and prefix["max_agents"]:
+        lines.append(f"  tokendance fits {td['max_agents'] / prefix['max_agents']:.2f}x the agents of prefix")
+    return "\n".join(lines)

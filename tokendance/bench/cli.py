@@ -1,0 +1,64 @@
+"""`tokendance bench [rounds|capacity]`: a workload against the reuse modes side by side.
+
+    tokendance bench --workload generative-agents --agents 4 8 16 --rounds 4      # modes side by side
+    tokendance bench capacity --kv-budget-mb 96 --slo-seconds 8                   # max resident agents
+    tokendance bench --target http://127.0.0.1:8000/v1 --agents 8                 # any OpenAI-compatible server
+
+This module only builds the parser; the work is imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+MODES = ["full", "prefix", "pic", "tokendance"]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity"],
+                        help="rounds: modes side by side per round (default); capacity: max agents per mode")
+    parser.add_argument("--workload", default="generative-agents",
+                        choices=["generative-agents", "agent-society", "debate"])
+    parser.add_argument("--agents", type=int, nargs="+", default=None,
+                        help="numbers of agents (default: 4 8 16; debate: 3)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=None, choices=MODES,
+                        help="reuse modes (default: all four; capacity: prefix pic tokendance)")
+    parser.add_argument("--loop", default="open", choices=["open", "closed"],
+                        help="open: fixed synthetic outputs feed the next round; closed: the model's own")
+    parser.add_argument("--order", default=None, choices=["same", "shuffle", "exclude-self"],
+                        help="order of the shared blocks in each prompt (default: the workload's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default model if omitted)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of pic and tokendance")
+    parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"])
+    parser.add_argument("--kv-cache-mb", type=int, default=None,
+                        help="KV pool per engine (default: every agent's prompts privately, x1.3)")
+    parser.add_argument("--sweep-ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3],
+                        help="fidelity-vs-ratio sweep of tokendance at --sweep-agents (none: skip)")
+    parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"])
+    parser.add_argument("--sweep-agents", type=int, default=8)
+    parser.add_argument("--kv-budget-mb", type=float, default=160.0, help="capacity: the fixed KV memory budget")
+    parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")
+    parser.add_argument("--max-agents", type=int, default=64, help="capacity: upper end of the search")
+    parser.add_argument("--target", default=None, metavar="URL",
+                        help="drive an OpenAI-compatible server (base URL ending in /v1) instead of in-process engines")
+    parser.add_argument("--target-model", default=None, help="model name to send to --target (default: its first)")
+    parser.add_argument("--api-key", default="EMPTY", help="API key for --target")
+    parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
+    parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
+
+
+def run_bench(args) -> int:
+    if args.target:
+        from tokendance.bench.target import run_target
+
+        return run_target(args)
+    if args.experiment == "capacity":
+        from tokendance.bench.capacity import run_capacity
+
+        return run_capacity(args)
+    from tokendance.bench.rounds import run_rounds
+
+    return run_rounds(args)

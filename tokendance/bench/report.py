@@ -1,0 +1,115 @@
+"""Tables for the terminal and PNG plots for the docs, from the plain rows the benchmarks write."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+MB = 2**20
+
+
+def format_rounds(rows: list[dict]) -> str:
+    head = (f"{'N':>4} {'rd':>2} {'mode':<11}{'round s':>8}{'TTFT s':>8}{'decode s':>9}{'computed':>9}{'in prompts':>11}"
+            f"{'KV MB/agent':>12}{'compr':>6}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}{'trace':>6}")
+    lines = [head]
+    for r in rows:
+        f, t = r.get("fidelity") or {}, r.get("trace") or {}
+        lines.append(
+            f"{r['agents']:>4} {r['round']:>2} {r['mode']:<11}{r['round_seconds']:>8.2f}{r['prefill_seconds']:>8.2f}"
+            f"{r['decode_seconds']:>9.2f}{r['computed_tokens']:>9.0f}{r['prompt_tokens']:>11}"
+            f"{r['kv_bytes_per_agent'] / MB:>12.2f}{r['compression']:>6.2f}{r['shared_compression']:>9.2f}"
+            f"{_num(f.get('top1_agreement'), 6, 2)}{_num(f.get('mean_kl'), 7, 3)}{_num(f.get('identical_fraction'), 6, 2)}"
+            f"{_num(t.get('identical_outputs'), 6, 2)}")
+    return "\n".join(lines)
+
+
+def _num(value, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def steady_state(rows: list[dict], from_round: int) -> dict[tuple[int, str], dict]:
+    """Per (agents, mode): means over rounds >= from_round (or the last round if there are fewer)."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["agents"], r["mode"])].append(r)
+    out = {}
+    for key, group in groups.items():
+        last = max(r["round"] for r in group)
+        picked = [r for r in group if r["round"] >= min(from_round, last)]
+        out[key] = {k: sum(r[k] for r in picked) / len(picked)
+                    for k in ("round_seconds", "prefill_seconds", "decode_seconds", "kv_bytes_per_agent",
+                              "compression", "shared_compression", "computed_tokens", "prompt_tokens")}
+        tops = [r["fidelity"]["top1_agreement"] for r in picked if r.get("fidelity") and r["fidelity"]["top1_agreement"] is not None]
+        out[key]["top1_agreement"] = sum(tops) / len(tops) if tops else None
+        out[key]["rounds"] = sorted(r["round"] for r in picked)
+    return out
+
+
+def format_summary(rows: list[dict], from_round: int = 3) -> str:
+    """Speed-up and memory ratios of tokendance against each baseline, per number of agents."""
+    means = steady_state(rows, from_round)
+    lines = []
+    for n in sorted({n for n, _ in means}):
+        td = means.get((n, "tokendance"))
+        if td is None:
+            continue
+        parts = []
+        for base in ("prefix", "pic", "full"):
+            b = means.get((n, base))
+            if b:
+                parts.append(f"vs {base}: round {b['round_seconds'] / td['round_seconds']:.2f}x faster, "
+                             f"TTFT {b['prefill_seconds'] / td['prefill_seconds']:.2f}x, "
+                             f"KV/agent {b['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x less")
+        rounds = ",".join(map(str, td["rounds"]))
+        lines.append(f"N={n} (rounds {rounds}) tokendance " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def plot_scaling(rows: list[dict], path: Path, from_round: int = 3) -> None:
+    """Round latency and KV bytes per agent against the number of agents, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = steady_state(rows, from_round)
+    modes = sorted({m for _, m in means}, key=["full", "prefix", "pic", "tokendance"].index)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in modes:
+        ns = sorted(n for n, m in means if m == mode)
+        left.plot(ns, [means[(n, mode)]["round_seconds"] for n in ns], marker="o", label=mode)
+        right.plot(ns, [means[(n, mode)]["kv_bytes_per_agent"] / MB for n in ns], marker="o", label=mode)
+    workload = rows[0]["workload"]
+    left.set(xlabel="agents", ylabel="round latency (s)", title=f"{workload}: round latency")
+    right.set(xlabel="agents", ylabel="KV MB per agent", title=f"{workload}: KV per agent")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fidelity(sweep: list[dict], path: Path) -> None:
+    """Top-1 agreement and KL against `full` vs the recompute ratio, one line per selection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for selection in sorted({r["selection"] for r in sweep}):
+        points = sorted((r["ratio"], r["fidelity"]) for r in sweep if r["selection"] == selection)
+        ratios = [p[0] for p in points]
+        left.plot(ratios, [p[1]["top1_agreement"] for p in points], marker="o", label=selection)
+        right.plot(ratios, [p[1]["mean_kl"] for p in points], marker="o", label=selection)
+    left.set(xlabel="recompute ratio", ylabel="top-1 agreement vs full", ylim=(0, 1.05))
+    right.set(xlabel="recompute ratio", ylabel="KL(full || tokendance)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

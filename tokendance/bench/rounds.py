@@ -1,0 +1,125 @@
+"""`tokendance bench` (rounds): every reuse mode on the same workload, round by round, plus a
+fidelity-vs-recompute-ratio sweep of tokendance; a table, JSON and plots."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from tokendance.bench import report
+from tokendance.bench.cli import MODES
+from tokendance.bench.simulation import Simulation, kv_budget, warm_up
+from tokendance.llm import LLM
+from tokendance.model.loader import load_model
+from tokendance.reuse.fidelity import compare
+from tokendance.workloads import make_workload
+
+
+def default_agents(args) -> list[int]:
+    return args.agents or ([3] if args.workload == "debate" else [4, 8, 16])
+
+
+def run_rounds(args) -> int:
+    loaded = load_model(args.model)
+    modes = args.modes or MODES
+    agent_counts = default_agents(args)
+    sweep_runs = len(args.sweep_ratios) * len(args.sweep_selections) + 1 if args.sweep_ratios else 0
+    out = Path(args.out or "benchmarks/results/bench.json")
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    started = time.perf_counter()
+
+    def save() -> None:
+        results["seconds"] = time.perf_counter() - started
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+
+    with tqdm(total=(len(agent_counts) * len(modes) + sweep_runs) * args.rounds, desc="bench", unit="round") as bar:
+        rows = []
+        for n in agent_counts:
+            workload = make_workload(args.workload, n, seed=args.seed, order=args.order)
+            engines = make_engines(loaded, workload, {m: {"reuse": m} for m in modes}, args)
+            rows += simulate(workload, engines, args, bar, label=f"N={n}")
+            results["rounds"] = rows
+            save()
+        bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
+        if sweep_runs:
+            results["sweep"] = sweep(loaded, args, bar)
+            save()
+            bar.write("\n" + format_sweep(results["sweep"]))
+    if args.plots:
+        plots = Path(args.plots)
+        report.plot_scaling(rows, plots / f"{args.workload}-scaling.png")
+        if results.get("sweep"):
+            report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png")
+        print(f"plots in {plots}/")
+    print(f"results in {out}")
+    return 0
+
+
+def make_engines(loaded, workload, variants: dict[str, dict], args) -> dict[str, LLM]:
+    """One engine per variant (label -> engine arguments), all over the same loaded weights."""
+    budget = int(args.kv_cache_mb * 2**20) if args.kv_cache_mb else kv_budget(loaded, workload, args.rounds, args.dtype)
+    common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
+    engines = {label: LLM(loaded, **{**common, **extra}) for label, extra in variants.items()}
+    warm_up(list(engines.values()))
+    return engines
+
+
+def simulate(workload, engines: dict[str, LLM], args, bar, label: str) -> list[dict]:
+    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed")
+    for r in range(args.rounds):
+        simulation.step(on_mode=lambda mode: (bar.set_postfix_str(f"{label} round {r + 1} {mode}"), bar.update(1)))
+    rows = simulation.rows()
+    release(engines)
+    return rows
+
+
+def release(engines: dict) -> None:
+    """Drop engines now: their KV pools are large and engines hold reference cycles."""
+    engines.clear()
+    gc.collect()
+
+
+def sweep(loaded, args, bar) -> list[dict]:
+    """tokendance at each (selection, ratio) against full, same workload and rounds: fidelity and
+    compression of the last round."""
+    workload = make_workload(args.workload, args.sweep_agents, seed=args.seed, order=args.order)
+    variants = {"full": {"reuse": "full"}}
+    for selection in args.sweep_selections:
+        for ratio in args.sweep_ratios:
+            variants[f"{selection}@{ratio}"] = {"reuse": "tokendance", "selection": selection, "recompute_ratio": ratio}
+    engines = make_engines(loaded, workload, variants, args)
+    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed")
+    for r in range(args.rounds):
+        simulation.step(on_mode=lambda label: (bar.set_postfix_str(f"sweep round {r + 1} {label}"), bar.update(1)))
+    reference = simulation.traces["full"].results
+    rows = []
+    for label, extra in variants.items():
+        if label == "full":
+            continue
+        for r, result in enumerate(simulation.traces[label].results):
+            s = result.stats
+            rows.append({"selection": extra["selection"], "ratio": extra["recompute_ratio"], "round": r + 1,
+                         "agents": args.sweep_agents, "prefill_seconds": s.prefill_seconds,
+                         "full_prefill_seconds": reference[r].stats.prefill_seconds,
+                         "shared_compression": s.shared_compression, "kv_bytes_per_agent": s.kv_bytes_per_agent,
+                         "diff_blocks": s.diff_blocks, "fidelity": asdict(compare(reference[r].outputs, result.outputs))})
+    release(engines)
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    lines = [f"{'selection':<17}{'ratio':>6}{'rd':>3}{'TTFT s':>8}{'vs full':>8}{'shared x':>9}{'diff blk':>9}"
+             f"{'top1':>6}{'KL':>7}{'same':>6}"]
+    for r in rows:
+        f = r["fidelity"]
+        lines.append(
+            f"{r['selection']:<17}{r['ratio']:>6.2f}{r['round']:>3}{r['prefill_seconds']:>8.2f}"
+            f"{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}"
+            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+    return "\n".join(lines)
