@@ -8,9 +8,6 @@ import time
 
 from tokendance.errors import TokenDanceError
 
-DEMO_PROMPT = "In three sentences, why do multi-agent simulations need efficient LLM serving?"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokendance", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,8 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     chat = sub.add_parser("chat", help="chat with the model (one message with -m, else interactive)")
     chat.add_argument("-m", "--message", help="send one message, print the reply and exit")
-    demo = sub.add_parser("demo", help="answer one chat prompt and print its timing")
-    for p in (gen, chat, demo):
+    demo = sub.add_parser("demo", help="a small closed-loop multi-agent simulation: tokendance vs prefix caching")
+    demo.add_argument("--agents", type=int, default=8)
+    demo.add_argument("--rounds", type=int, default=3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    for p in (gen, chat):
         p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         p.add_argument("--max-tokens", type=int, default=128)
@@ -27,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--seed", type=int, default=None)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with round-aware sharing")
+    from tokendance.server.cli import add_serve_arguments
+
+    add_serve_arguments(serve)
+    bench = sub.add_parser("bench", help="a multi-agent workload against the reuse modes side by side")
+    from tokendance.bench.cli import add_bench_arguments
+
+    add_bench_arguments(bench)
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -95,16 +105,24 @@ def _read_lines():
 
 
 def cmd_demo(args) -> int:
-    llm, params, load_seconds = _load(args)
-    print(f"model: {llm.engine.model_name} ({args.dtype}), loaded in {load_seconds:.1f}s")
-    print(f"user: {DEMO_PROMPT}")
-    (output,) = llm.chat([{"role": "user", "content": DEMO_PROMPT}], params)
-    print(f"assistant: {output.text}")
-    print(_timing(output))
-    return 0
+    from tokendance.bench.demo import run_demo
+
+    return run_demo(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo}
+def cmd_serve(args) -> int:
+    from tokendance.server.cli import run_server
+
+    return run_server(args)
+
+
+def cmd_bench(args) -> int:
+    from tokendance.bench.cli import run_bench
+
+    return run_bench(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,482 @@
+"""The HTTP server as clients see it: a real `tokendance serve` process on 127.0.0.1, driven by the
+official `openai` client (raw HTTP for what that client cannot send), plus unit tests of how chat
+requests are gathered into rounds."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
+from tokendance.server.metrics import parse
+
+SHARED = [
+    "Ada says: the bridge over the river is closed for repairs until the end of next week.",
+    "Bo says: the market opens at nine tomorrow and the bakery will sell fresh rye bread.",
+]
+
+
+class Server:
+    """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
+
+    def __init__(self, *args: str, api_key: str | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.TemporaryFile()
+        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", "2", *args]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.output()}")
+            time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = json.loads(self.request("GET", "/v1/models", headers=auth)[2])["data"][0]["id"]
+
+    def _healthy(self) -> bool:
+        try:
+            return self.request("GET", "/health")[0] == 200
+        except OSError:
+            return False
+
+    def request(self, method: str, path: str, body=None, headers=None, timeout=60) -> tuple[int, dict, bytes]:
+        """(status, headers, body); `body` may be a dict (sent as JSON) or raw bytes."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+            connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            response = connection.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            connection.close()
+
+    def post(self, path: str, body, **kwargs) -> tuple[int, dict]:
+        status, _, data = self.request("POST", path, body, **kwargs)
+        return status, json.loads(data)
+
+    def metrics(self) -> dict[str, float]:
+        return parse(self.request("GET", "/metrics")[2].decode())
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--gather-window-ms", "300", "--kv-cache-bytes", "192M", "--max-body-bytes", "1000000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    s = Server("--api-key", "sesame", "--max-concurrent-requests", "1", "--gather-window-ms", "0",
+               "--kv-cache-bytes", "64M", api_key="sesame")
+    yield s
+    s.stop()
+
+
+def salt() -> str:
+    return uuid.uuid4().hex
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def villager(i: int, task: str = "what do you do next?") -> list[dict]:
+    """A persona, the shared messages in a per-agent order, a private task."""
+    shared = list(SHARED)
+    random.Random(i).shuffle(shared)
+    system = {"role": "system", "content": f"You are villager {i}, who keeps {['goats', 'bees', 'hens', 'cows'][i % 4]}."}
+    return [system, *({"role": "user", "content": s} for s in shared), {"role": "user", "content": f"Villager {i}, {task}"}]
+
+
+def open_stream(server: Server, body: dict, events: int, headers=None) -> http.client.HTTPConnection:
+    """Start a streaming request and read `events` SSE events; the caller closes the connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    assert response.status == 200
+    seen = 0
+    while seen < events:
+        seen += response.fp.readline().startswith(b"data:")
+    return connection
+
+
+def long_chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": f"Count forever. {salt()}"}],
+            "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_health_models_and_metrics(server):
+    assert json.loads(server.request("GET", "/health")[2]) == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert server.client().models.retrieve(server.model).id == server.model
+    metrics = server.metrics()
+    assert metrics["tokendance_kv_blocks_total"] == metrics["tokendance_kv_blocks_used"] + metrics["tokendance_kv_blocks_free"]
+    assert "# TYPE tokendance_round_seconds histogram" in server.request("GET", "/metrics")[2].decode()
+
+
+def test_chat_usage_and_prefix_cache(server):
+    client, messages = server.client(), [{"role": "user", "content": f"Name three rivers. ({salt()})"}]
+    first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+    assert first.object == "chat.completion" and first.model == server.model
+    assert first.choices[0].message.role == "assistant" and first.choices[0].message.content
+    assert first.choices[0].finish_reason in ("stop", "length")
+    u = first.usage
+    assert u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # full blocks of the same prompt
+
+
+def test_chat_stream_matches_non_stream(server):
+    client, messages = server.client(), [{"role": "user", "content": "Describe a lighthouse in one sentence."}]
+    whole = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"cache_salt": salt()})
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"cache_salt": salt()}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_string_is_never_streamed(server):
+    client, messages = server.client(), [{"role": "user", "content": "Tell me about the sea."}]
+    full = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0,
+                                          extra_body={"cache_salt": salt()}).choices[0].message.content
+    stop = full[6:10]
+    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"cache_salt": salt()})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_batch_token_ids_and_stream(server):
+    client = server.client()
+    prompts = ["The capital of France is", "Once upon a time"]
+    whole = client.completions.create(model=server.model, prompt=prompts, max_tokens=6, temperature=0,
+                                      extra_body={"cache_salt": salt()})
+    assert [c.index for c in whole.choices] == [0, 1] and whole.object == "text_completion"
+    assert whole.usage.completion_tokens <= 12
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(model=server.model, prompt=prompts, max_tokens=6, temperature=0,
+                                           stream=True, extra_body={"cache_salt": salt()}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    ids = client.completions.create(model=server.model, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.choices[0].text
+
+
+# ---------------------------------------------------------------- rounds
+
+
+def test_declared_round_keeps_agent_sessions(server):
+    client, rid = server.client(), salt()
+
+    def turn(i: int, messages: list[dict], round_id: str):
+        return client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=6, temperature=0,
+            extra_body={"agent_id": f"{rid}-{i}", "round_id": round_id, "round_size": 3})
+
+    with ThreadPoolExecutor(3) as pool:
+        first = list(pool.map(lambda i: turn(i, villager(i), rid + "-1"), range(3)))
+    rounds = [r.to_dict()["round"] for r in first]
+    assert {r["num_agents"] for r in rounds} == {3} and len({r["index"] for r in rounds}) == 1
+    assert sorted(r["agent_id"] for r in rounds) == [f"{rid}-{i}" for i in range(3)]
+    follow = [villager(i) + [{"role": "assistant", "content": first[i].choices[0].message.content},
+                             {"role": "user", "content": "And after that?"}] for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        second = list(pool.map(lambda i: turn(i, follow[i], rid + "-2"), range(3)))
+    for previous, now in zip(first, second):  # the session holds the whole previous prompt
+        assert now.usage.prompt_tokens_details.cached_tokens >= previous.usage.prompt_tokens - 1
+    assert server.metrics()['tokendance_rounds_total{source="declared"}'] >= 2
+    for i in range(3):
+        assert server.request("DELETE", f"/v1/agents/{rid}-{i}")[0] == 200
+    assert server.request("DELETE", f"/v1/agents/{rid}-0")[0] == 404
+
+
+def test_plain_concurrent_chats_sharing_messages_form_one_round(server):
+    before = server.metrics()
+    client, barrier = server.client(), threading.Barrier(4)
+
+    def ask(i: int):
+        barrier.wait()
+        return client.chat.completions.create(model=server.model, messages=villager(i), max_tokens=6, temperature=0)
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, range(4)))
+    assert {r.to_dict()["round"]["num_agents"] for r in replies} == {4}
+    after = server.metrics()
+    key = 'tokendance_rounds_total{source="transparent"}'
+    assert after[key] - before.get(key, 0) == 1
+    assert after["tokendance_round_agents_sum"] - before["tokendance_round_agents_sum"] == 4
+    assert after["tokendance_last_round_agents"] == 4
+    assert after["tokendance_round_shared_compression"] > 1
+    assert sum(r.usage.prompt_tokens_details.cached_tokens for r in replies) > 0  # shared messages reused
+    assert after["tokendance_agent_sessions"] == before["tokendance_agent_sessions"]  # anonymous: ended
+
+
+def test_rounds_endpoint(server):
+    agents = [{"agent_id": f"v{i}", "messages": villager(i)} for i in range(3)]
+    agents[2]["max_tokens"] = 2
+    status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents, "max_tokens": 5,
+                                              "temperature": 0, "cache_salt": salt()})
+    assert status == 200, body
+    assert [o["agent_id"] for o in body["outputs"]] == ["v0", "v1", "v2"]
+    assert body["outputs"][2]["usage"]["completion_tokens"] <= 2
+    assert body["stats"]["num_agents"] == 3 and body["stats"]["mode"] == "tokendance"
+    assert body["stats"]["shared_compression"] > 1 and body["round"]["num_agents"] == 3
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents[:1] * 2})
+    assert status == 400 and body["error"]["param"] == "agents"
+
+
+def test_cache_salt_isolates_tenants(server):
+    messages = [{"role": "system", "content": f"You are a storyteller ({salt()})."},
+                {"role": "user", "content": "Tell a long story about owls, owlets and the old oak tree."}]
+    client = server.client()
+
+    def cached(**extra) -> int:
+        reply = client.chat.completions.create(model=server.model, messages=messages, max_tokens=2, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    tenant = salt()
+    assert cached(cache_salt=tenant) == 0
+    assert cached(cache_salt=tenant) > 0
+    assert cached(cache_salt=salt()) == 0
+    assert cached() == 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def chat_body(server, **fields) -> dict:
+    return {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+BAD_CHATS = [  # (fields replacing the defaults, status, expected param, expected code)
+    ({"messages": None}, 400, "messages", None),
+    ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": 123}]}, 400, "messages.0.content", None),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None),
+    ({"model": "gpt-5"}, 404, "model", "model_not_found"),
+    ({"temperature": -1}, 400, "temperature", "invalid_value"),
+    ({"temperature": "hot"}, 400, "temperature", None),
+    ({"top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"stop_token_ids": [-3]}, 400, "stop_token_ids", "invalid_value"),
+    ({"n": 2}, 400, "n", "unsupported_parameter"),
+    ({"round_size": 3}, 400, "round_size", None),
+    ({"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("fields,status,param,code", BAD_CHATS)
+def test_bad_chat_requests(server, fields, status, param, code):
+    body = {k: v for k, v in {**chat_body(server), **fields}.items() if v is not None}
+    got, error = server.post("/v1/chat/completions", body)
+    assert got == status, error
+    assert set(error["error"]) == {"message", "type", "param", "code"} and error["error"]["message"]
+    assert (error["error"]["param"], error["error"]["code"]) == (param, code)
+
+
+@pytest.mark.parametrize("path,raw,status,code", [
+    ("/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/completions", None, 400, "invalid_value"),  # the prompt is empty
+    ("/v1/chat/completions", b"x" * 1_500_000, 413, "request_too_large"),
+    ("/v1/nowhere", b"{}", 404, "not_found"),
+])
+def test_bad_raw_requests(server, path, raw, status, code):
+    if raw is None:
+        raw = json.dumps({"model": server.model, "prompt": ""}).encode()
+    got, _, data = server.request("POST", path, raw)
+    assert got == status and json.loads(data)["error"]["code"] == code
+    assert server.request("GET", "/health")[0] == 200
+
+
+def test_openai_client_sees_typed_errors(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}], temperature=-2)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.APIStatusError) as big:
+        client.completions.create(model=server.model, prompt="x" * 1_200_000)
+    assert big.value.status_code == 413
+
+
+# ---------------------------------------------------------------- disconnects, limits, load
+
+
+def idle(server: Server, used_blocks: float):
+    def check() -> bool:
+        m = server.metrics()
+        return (m["tokendance_requests_in_flight"] == 0 and m["tokendance_engine_running_requests"] == 0
+                and m["tokendance_engine_waiting_requests"] == 0 and m["tokendance_kv_blocks_used"] == used_blocks)
+    return check
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    baseline = server.metrics()
+    connection = open_stream(server, long_chat(server.model), events=4)
+    assert server.metrics()["tokendance_kv_blocks_used"] > baseline["tokendance_kv_blocks_used"]
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
+    # a non-streaming request whose client leaves is aborted too
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps({**long_chat(server.model), "stream": False}),
+                       headers={"Content-Type": "application/json"})
+    wait_until(lambda: server.metrics()["tokendance_engine_running_requests"] == 1, timeout=30)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
+    aborted = 'tokendance_requests_finished_total{finish_reason="abort"}'
+    assert server.metrics()[aborted] - baseline.get(aborted, 0) == 2
+
+
+def test_api_key_required(guarded):
+    status, _, data = guarded.request("GET", "/v1/models")
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").chat.completions.create(model=guarded.model, messages=[{"role": "user", "content": "hi"}])
+    assert guarded.client("sesame").models.list().data[0].id == guarded.model
+    assert guarded.request("GET", "/health")[0] == 200  # probes need no key
+
+
+def test_too_many_concurrent_requests_get_429(guarded):
+    auth = {"Authorization": "Bearer sesame"}
+    connection = open_stream(guarded, long_chat(guarded.model), events=2, headers=auth)
+    status, headers, data = guarded.request("POST", "/v1/chat/completions", chat_body(guarded), headers=auth)
+    assert status == 429 and headers.get("retry-after") == "1"
+    assert json.loads(data)["error"]["code"] == "rate_limit_exceeded"
+    with pytest.raises(openai.RateLimitError):
+        guarded.client("sesame").chat.completions.create(model=guarded.model, messages=[{"role": "user", "content": "hi"}])
+    connection.close()
+    wait_until(lambda: guarded.metrics()["tokendance_requests_in_flight"] == 0, timeout=30)
+    reply = guarded.client("sesame").chat.completions.create(
+        model=guarded.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply.usage.completion_tokens <= 2
+
+
+def test_load_200_requests_from_32_clients(server):
+    baseline = server.metrics()
+    client = server.client()
+
+    def one(i: int):
+        kind = i % 4
+        if kind == 0:
+            stream = client.chat.completions.create(model=server.model, max_tokens=8, temperature=0.8, seed=i, stream=True,
+                                                    messages=[{"role": "user", "content": f"Say something about {i}."}])
+            chunks = list(stream)
+            return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+        if kind == 3:  # agent-like: shares messages with its concurrent peers, so rounds form under load
+            reply = client.chat.completions.create(model=server.model, messages=villager(i, f"request {i}?"), max_tokens=8)
+        elif kind == 1:
+            reply = client.chat.completions.create(model=server.model, max_tokens=8, temperature=0,
+                                                   messages=[{"role": "user", "content": f"Count to {i}."}])
+        else:
+            reply = client.completions.create(model=server.model, prompt=f"Item {i}:", max_tokens=8, temperature=0.5)
+            return reply.choices[0].text, reply.choices[0].finish_reason
+        assert reply.usage.completion_tokens <= 8
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(200)))
+    assert len(results) == 200
+    assert all(isinstance(text, str) and reason in ("stop", "length") for text, reason in results)
+    wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
+    after = server.metrics()
+    assert after["tokendance_agent_sessions"] == baseline["tokendance_agent_sessions"]
+    ok = sum(v for k, v in after.items() if k.startswith("tokendance_http_requests_total") and 'status="200"' in k)
+    ok_before = sum(v for k, v in baseline.items() if k.startswith("tokendance_http_requests_total") and 'status="200"' in k)
+    assert ok - ok_before >= 200
+    assert after["tokendance_rounds_total{source=\"transparent\"}"] > baseline.get('tokendance_rounds_total{source="transparent"}', 0)
+
+
+# ---------------------------------------------------------------- gathering (no server)
+
+
+def turn(key: str, messages: list[str], arrival: float = 0.0, **fields) -> ChatTurn:
+    msgs = [{"role": "user", "content": m} for m in messages]
+    return ChatTurn(key, msgs, None, None, None, arrival=arrival, **fields)
+
+
+def test_overlap_ignores_common_prefix_and_namespaces():
+    assert overlaps(turn("a", ["sys A", "x", "task a"]), turn("b", ["sys B", "x", "task b"]))
+    assert not overlaps(turn("a", ["sys", "x", "task a"]), turn("b", ["sys", "x", "task b"]))  # prefix caching's job
+    assert overlaps(turn("a", ["sys", "x", "y", "a"]), turn("b", ["sys", "y", "x", "b"]))
+    assert not overlaps(turn("a", ["p", "x"], namespace="t1"), turn("b", ["q", "x"], namespace="t2"))
+
+
+def test_gatherer_windows_rounds_and_ordinary():
+    g = RoundGatherer(window_s=0.05, round_timeout_s=1.0)
+    g.add(turn("a", ["pa", "x", "ta"], 0.0))
+    g.add(turn("b", ["pb", "x", "tb"], 0.01))
+    g.add(turn("c", ["pc", "tc"], 0.02))
+    g.add(turn("d", ["pd", "td"], 0.02, agent_id="dora"))
+    g.add(turn("e", ["pe", "te"], 0.03, agent_id="dora"))  # the same agent twice: waits a window
+    assert g.next_deadline() == pytest.approx(0.05)
+    assert g.pop_ready(0.04).rounds == []
+    work = g.pop_ready(0.05)
+    assert [[t.key for t in r] for r in work.rounds] == [["a", "b", "d"]]
+    assert [t.key for t in work.ordinary] == ["c"]
+    assert [t.key for t in g.pop_ready(0.1).rounds[0]] == ["e"] and len(g) == 0
+
+
+def test_gatherer_declared_rounds():
+    g = RoundGatherer(window_s=0.05, round_timeout_s=1.0)
+    g.add(turn("a", ["x"], 0.0, round_id="r", round_size=2, agent_id="ann"))
+    with pytest.raises(ValueError):
+        g.add(turn("b", ["y"], 0.1, round_id="r", round_size=2, agent_id="ann"))
+    g.add(turn("c", ["z"], 0.1, round_id="r", round_size=2, namespace="other"))  # another tenant's round
+    g.add(turn("d", ["w"], 0.2, round_id="r", round_size=2))
+    assert [[t.key for t in r] for r in g.pop_ready(0.2).rounds] == [["a", "d"]]
+    assert g.pop_ready(0.5).rounds == [] and g.next_deadline() == pytest.approx(1.1)
+    assert [t.key for t in g.remove("c")] == ["c"] and len(g) == 0

@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP server with round-aware sharing (`tokendance serve`).
+
+Layout: `cli` (arguments, no heavy imports), `app` (FastAPI routes and error mapping), `gate`
+(the ASGI middleware for auth, body size and admission), `protocol` (request bodies and response
+shapes), `engine_loop` (the one thread that owns the engine), `gather` (turning chat requests
+into rounds), `metrics` (Prometheus text).
+"""

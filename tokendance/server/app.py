@@ -1,0 +1,300 @@
+"""The FastAPI application: routes, validation before anything reaches the engine, error bodies.
+
+Every error is answered as {"error": {"message", "type", "param", "code"}} with its status; no
+input can stop the server. Prompts are validated on a worker thread (tokenizing a long prompt
+must not stall the event loop), then handed to the engine thread as a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from tokendance.errors import TokenDanceError
+from tokendance.outputs import RequestOutput
+from tokendance.reuse.segments import chat_segments
+from tokendance.server.config import ServerConfig
+from tokendance.server.engine_loop import EngineLoop, GenerateJob, RoundJob, Sink, TurnJob, engine_agent_id
+from tokendance.server.gate import Gate
+from tokendance.server.gather import ChatTurn, RoundGatherer
+from tokendance.server.metrics import Metrics
+from tokendance.server.protocol import (
+    SAMPLING_FIELDS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RoundRequest,
+    chat_response,
+    completion_response,
+    round_response,
+    usage,
+)
+from tokendance.server.streaming import EventStream, TextDeltas, events
+
+log = logging.getLogger("tokendance.server")
+UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def create_app(llm, config: ServerConfig) -> FastAPI:
+    """The app over an already loaded `LLM`; its engine thread runs while the app is served."""
+    metrics = Metrics()
+    loop = EngineLoop(llm, RoundGatherer(config.gather_window_s, config.round_timeout_s), metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="TokenDance", lifespan=lifespan, docs_url=None, redoc_url=None)
+    api = Api(llm, config, loop, metrics)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics_text)
+    app.get("/v1/models")(api.models)
+    app.get("/v1/models/{model:path}")(api.model)
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/rounds")(api.rounds)
+    app.delete("/v1/agents/{agent_id}")(api.end_agent)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(Gate, config=config, metrics=metrics)
+    app.state.engine_loop = loop
+    return app
+
+
+class Api:
+    def __init__(self, llm, config: ServerConfig, loop: EngineLoop, metrics: Metrics):
+        self.engine = llm.engine
+        self.config = config
+        self.loop = loop
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ plain routes
+
+    async def health(self):
+        if not self.loop.is_alive:
+            return JSONResponse({"status": "engine stopped", "error": str(self.loop.error)}, status_code=503)
+        return {"status": "ok"}
+
+    async def metrics_text(self):
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self):
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str):
+        self._check_model(model)
+        return self._model_card()
+
+    async def end_agent(self, agent_id: str, cache_salt: str = ""):
+        """Drop an agent's session (its KV); 404 if it has none."""
+        ended = await self.loop.call(lambda: self.engine.rounds.end_agent(engine_agent_id(cache_salt, agent_id)))
+        if not ended:
+            raise ApiError(404, f"agent {agent_id!r} has no session", param="agent_id", code="agent_not_found")
+        return {"agent_id": agent_id, "object": "agent.deleted", "deleted": True}
+
+    # ------------------------------------------------------------ generation
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        started = time.perf_counter()
+        self._check(body)
+        if body.round_size is not None and body.round_id is None:
+            raise ApiError(400, "round_size needs a round_id", param="round_size")
+        messages = body.chat_messages()
+        params = body.sampling_params(None, max_tokens=body.max_completion_tokens)
+        key, namespace = f"chatcmpl-{uuid.uuid4().hex}", body.cache_salt or ""
+        prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
+        sink = Sink(key, 1)
+        turn = ChatTurn(key, messages, params, prepared, sink, namespace=namespace, agent_id=body.agent_id,
+                        round_id=body.round_id, round_size=body.round_size, arrival=time.monotonic())
+        may_join = body.agent_id or body.round_id or self.config.gather_window_s > 0
+        self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
+        if body.stream:
+            return self._stream(sink, started, params.stop_strings, *self._chat_chunks(key, sink, body))
+        (output,) = await self._collect(request, sink, started)
+        return chat_response(key, self.config.model_name, output, sink.round_info.get(0))
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        started = time.perf_counter()
+        self._check(body)
+        params = body.sampling_params(16)
+        key, namespace, prompts = f"cmpl-{uuid.uuid4().hex}", body.cache_salt or "", body.prompts()
+        requests = await self._validate(
+            lambda: [self.engine.make_request(p, params, f"{key}-{i}", namespace) for i, p in enumerate(prompts)],
+            "prompt",
+        )
+        sink = Sink(key, len(requests))
+        self.loop.submit(GenerateJob(requests, sink))
+        if body.stream:
+            return self._stream(sink, started, params.stop_strings, *self._completion_chunks(key, body))
+        outputs = await self._collect(request, sink, started)
+        return completion_response(key, self.config.model_name, outputs)
+
+    async def rounds(self, body: RoundRequest, request: Request):
+        """A whole round in one request: every agent's reply and the round's statistics."""
+        started = time.perf_counter()
+        self._check(body)
+        agent_ids = [a.agent_id for a in body.agents]
+        if len(set(agent_ids)) != len(agent_ids):
+            raise ApiError(400, "agent ids of a round must be distinct", param="agents")
+        key, namespace = f"round-{uuid.uuid4().hex}", body.cache_salt or ""
+        sink = Sink(key, len(agent_ids), wants_stats=True)
+        turns = []
+        for i, agent in enumerate(body.agents):
+            agent.check_supported()
+            messages = [m.as_dict(j) for j, m in enumerate(agent.messages)]
+            params = body.sampling_params(None, **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
+            prepared = await self._validate(lambda: self._chat_request(messages, params, f"{key}-{i}", namespace),
+                                            f"agents.{i}.messages")
+            turns.append(ChatTurn(key, messages, params, prepared, sink, index=i, namespace=namespace,
+                                  agent_id=agent.agent_id))
+        self.loop.submit(RoundJob(turns))
+        outputs = await self._collect(request, sink, started)
+        info = {k: v for k, v in sink.round_info[0].items() if k != "agent_id"}
+        return round_response(key, self.config.model_name, agent_ids, outputs, info, sink.stats)
+
+    # ------------------------------------------------------------ helpers
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": self.created,
+                "owned_by": "tokendance", "max_model_len": self.engine.max_model_len}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _check(self, body) -> None:
+        self._check_model(body.model)
+        body.check_supported()
+
+    def _chat_request(self, messages, params, request_id: str, namespace: str):
+        """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
+        joins a round or not, and a shared message the same ids wherever it sits."""
+        token_ids = [t for segment in chat_segments(self.engine.tokenizer, messages) for t in segment]
+        return self.engine.make_request(token_ids, params, request_id=request_id, namespace=namespace)
+
+    async def _validate(self, make, param: str):
+        try:
+            return await asyncio.to_thread(make)
+        except TokenDanceError as exc:
+            raise ApiError.from_engine(exc, param) from None
+        except jinja2.TemplateError as exc:
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", param=param) from None
+
+    async def _collect(self, request: Request, sink: Sink, started: float) -> list[RequestOutput]:
+        """Every choice's final output; aborts the requests if the client disconnects first."""
+        result = asyncio.ensure_future(sink.final())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not result.done():
+                result.cancel()
+                self.loop.abort(sink)
+        if not result.done() or result.cancelled():
+            raise ApiError(499, "the client closed the request", code="client_closed_request")
+        outputs = result.result()
+        self._observe(sink, started)
+        return outputs
+
+    def _stream(self, sink: Sink, started: float, stops: tuple[str, ...], render, first, tail) -> EventStream:
+        def on_close() -> None:
+            if sink.done:
+                self._observe(sink, started)
+            else:
+                self.loop.abort(sink)
+
+        return EventStream(events(sink, TextDeltas(stops), render, first, tail), on_close)
+
+    def _observe(self, sink: Sink, started: float) -> None:
+        now = time.perf_counter()
+        self.metrics.observe("tokendance_request_latency_seconds", now - started)
+        if sink.first_output_time is not None:
+            self.metrics.observe("tokendance_time_to_first_token_seconds", sink.first_output_time - started)
+
+    def _chat_chunks(self, key: str, sink: Sink, body: ChatCompletionRequest):
+        created, model = int(time.time()), self.config.model_name
+
+        def chunk(delta: dict, finish_reason=None) -> dict:
+            return {"id": key, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        def render(index: int, text: str, output: RequestOutput) -> dict:
+            body = chunk({"content": text} if text else {}, output.finish_reason)
+            if output.finished and 0 in sink.round_info:
+                body["round"] = sink.round_info[0]
+            return body
+
+        tail = None
+        if body.stream_options and body.stream_options.include_usage:
+            def tail(outputs):
+                return {**chunk({}), "choices": [], "usage": usage(outputs)}
+        return render, chunk({"role": "assistant", "content": ""}), tail
+
+    def _completion_chunks(self, key: str, body: CompletionRequest):
+        created, model = int(time.time()), self.config.model_name
+
+        def render(index: int, text: str, output: RequestOutput) -> dict:
+            return {"id": key, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": text, "logprobs": None,
+                                 "finish_reason": output.finish_reason}]}
+
+        tail = None
+        if body.stream_options and body.stream_options.include_usage:
+            def tail(outputs):
+                return {"id": key, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": usage(outputs)}
+        return render, None, tail
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------- error bodies
+
+
+async def _api_error(_request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    location = []
+    for part in first.get("loc", ())[1:]:  # loc[0] is "body"
+        if str(part) in UNION_TAGS or "[" in str(part):
+            break  # pydantic names the union member it tried; the field is what the caller sent
+        location.append(str(part))
+    if first.get("type") == "json_invalid":
+        message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    elif not location:
+        message, param = f"the body must be a JSON object ({first.get('msg', 'invalid')})", None
+    else:
+        message, param = f"{'.'.join(location)}: {first.get('msg', 'invalid value')}", ".".join(location)
+    return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+
+
+async def _http_error(_request, exc: HTTPException) -> JSONResponse:
+    error = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(_request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(ApiError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)

@@ -1,0 +1,69 @@
+"""`tokendance serve`: its arguments and start-up. Importing this module stays cheap (no torch, no
+FastAPI): the top-level CLI builds every subcommand's parser on each call."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1048576', '512M', '512MiB', '2G' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2G)")
+    return int(match.group(1)) * SIZE_UNITS[match.group(2).upper()]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    add("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--reuse", default="tokendance", choices=["full", "prefix", "pic", "tokendance"],
+        help="how rounds reuse shared messages (default: tokendance)")
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add("--kv-cache-bytes", type=parse_bytes, default=512 * 2**20, help="KV pool budget, e.g. 512M (default)")
+    add("--max-model-len", type=int, default=None)
+    add("--max-num-seqs", type=int, default=64, help="requests the scheduler runs at once")
+    add("--num-threads", type=int, default=None)
+    add("--recompute-ratio", type=float, default=None)
+    add("--selection", default=None, choices=["epic", "cacheblend", "cacheblend-block"])
+    add("--gather-window-ms", type=float, default=50.0,
+        help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
+    add("--round-timeout-ms", type=float, default=2000.0,
+        help="how long a declared round (round_id + round_size) waits for its missing members")
+    add("--api-key", default=os.environ.get("TOKENDANCE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENDANCE_API_KEY, else none)")
+    add("--max-concurrent-requests", type=int, default=256, help="more in flight are answered 429")
+    add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokendance import LLM
+    from tokendance.server.app import create_app
+    from tokendance.server.config import ServerConfig
+
+    engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection,
+                   "max_model_len": args.max_model_len, "num_threads": args.num_threads}
+    llm = LLM(args.model, dtype=args.dtype, reuse=args.reuse, kv_cache_bytes=args.kv_cache_bytes,
+              max_num_seqs=args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None})
+    config = ServerConfig(
+        model_name=args.served_model_name or llm.engine.model_name,
+        api_key=args.api_key or None,
+        gather_window_s=args.gather_window_ms / 1000,
+        round_timeout_s=args.round_timeout_ms / 1000,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = create_app(llm, config)
+    print(f"serving {config.model_name} (reuse={args.reuse}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,26 @@
+"""Server settings, passed explicitly to the app and the engine loop (never kept in globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokendance.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`gather_window_s` 0 disables transparent rounds; `round_timeout_s` bounds the wait of a
+    declared round (`round_id` + `round_size`) for its missing members."""
+
+    model_name: str
+    api_key: str | None = None
+    gather_window_s: float = 0.05
+    round_timeout_s: float = 2.0
+    max_concurrent_requests: int = 256
+    max_body_bytes: int = 8 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.gather_window_s < 0 or self.round_timeout_s < 0:
+            raise InvalidRequestError("the gather window and the round timeout must be >= 0")
+        if self.max_concurrent_requests < 1 or self.max_body_bytes < 1:
+            raise InvalidRequestError("max_concurrent_requests and max_body_bytes must be >= 1")

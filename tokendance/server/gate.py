@@ -1,0 +1,122 @@
+"""The ASGI middleware every HTTP request passes first: body size, API key, admission, counts.
+
+Admission is a bound, not a queue: up to `max_concurrent_requests` generation requests are in
+flight at once (they queue inside the engine's scheduler, which runs `max_num_seqs` of them per
+step); one more is answered 429 at once with `Retry-After`, so an overloaded server sheds load
+instead of building an unbounded backlog of open connections.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+
+from tokendance.server.config import ServerConfig
+from tokendance.server.metrics import Metrics
+from tokendance.server.protocol import ApiError
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/rounds")
+KNOWN_PATHS = GENERATION_PATHS + ("/v1/models", "/health", "/metrics")
+MAX_DRAIN_FACTOR = 8  # an oversized body is read (and dropped) up to this many times the limit
+
+
+class Gate:
+    """Invariant: `in_flight` counts the generation requests between admission and the end of
+    their response (finished, streamed to the end, failed or abandoned by the client)."""
+
+    def __init__(self, app, config: ServerConfig, metrics: Metrics):
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {}
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, counted_send)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in KNOWN_PATHS else "other"
+            # 499: the client went away before an answer started (nginx's convention)
+            self.metrics.inc("tokendance_http_requests_total", endpoint=endpoint, status=str(status.get("code", 499)))
+
+    async def _handle(self, scope, receive, send) -> None:
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client disconnected while sending
+        if isinstance(body, ApiError):
+            await _answer(scope, send, body)
+            return
+        if self.config.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+            await _answer(scope, send, ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                                code="invalid_api_key"))
+            return
+        replay = _replay(body, receive)
+        if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, replay, send)
+            return
+        if self.in_flight >= self.config.max_concurrent_requests:
+            error = ApiError(429, f"too many concurrent requests (at most {self.config.max_concurrent_requests}); "
+                             "retry later", type="rate_limit_error", code="rate_limit_exceeded")
+            await _answer(scope, send, error, headers={"Retry-After": "1"})
+            return
+        self._count(+1)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self._count(-1)
+
+    def _count(self, delta: int) -> None:
+        self.in_flight += delta
+        self.metrics.set("tokendance_requests_in_flight", self.in_flight)
+
+    async def _read_body(self, receive) -> bytes | ApiError | None:
+        """The whole body, or a 413 error (after reading and dropping the rest, so the client
+        gets to read the answer), or None if the client disconnected."""
+        limit, chunks, size = self.config.max_body_bytes, [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            data = message.get("body", b"")
+            size += len(data)
+            if size <= limit:
+                chunks.append(data)
+            if not message.get("more_body", False) or size > MAX_DRAIN_FACTOR * limit:
+                break
+        if size > limit:
+            return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        return b"".join(chunks)
+
+    def _authorized(self, scope) -> bool:
+        expected = f"Bearer {self.config.api_key}".encode()
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, expected)
+
+
+def _replay(body: bytes, receive):
+    """A receive channel that yields the buffered body once, then the client's next messages
+    (so a handler can still learn that the client disconnected)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _answer(scope, send, error: ApiError, headers: dict | None = None) -> None:
+    async def no_receive():
+        return {"type": "http.disconnect"}
+
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, no_receive, send)

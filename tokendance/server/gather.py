@@ -1,0 +1,148 @@
+"""Turning chat requests into rounds.
+
+Three ways into a round:
+
+- declared: requests with the same `round_id` (and cache namespace) form one round, run as soon
+  as `round_size` of them arrived, or after `round_timeout` with those that did;
+- transparent: chat requests pending in the same gather window form one round with every other
+  pending request they *overlap* with. Two requests overlap when they share a message (same role
+  and content) outside their common message prefix: a shared prefix is served exactly by prefix
+  caching, a message repeated at another position is what the KV Collector is for. Requests that
+  carry an `agent_id` join the round too (their session is kept between requests), the rest are
+  served as ordinary requests;
+- whole: a /v1/rounds request is a ready round of its own.
+
+The gatherer is plain data: the engine thread owns it, calls `pop_ready` and runs what it returns.
+Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokendance.errors import InvalidRequestError
+from tokendance.reuse.segments import common_prefix
+
+
+@dataclass
+class ChatTurn:
+    """One agent's chat request waiting for a round. `request` is its validated prompt, served as
+    an ordinary request if no round forms; `sink` and `index` say where its outputs go."""
+
+    key: str
+    messages: list[dict]
+    params: Any  # SamplingParams
+    request: Any  # engine Request (validated, not yet added)
+    sink: Any
+    index: int = 0
+    namespace: str = ""
+    agent_id: str | None = None  # as the client named it; None: an anonymous agent
+    round_id: str | None = None
+    round_size: int | None = None
+    arrival: float = 0.0
+    contents: list[tuple[str, str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.contents = [(m["role"], m["content"]) for m in self.messages]
+
+    @property
+    def agent_key(self) -> tuple[str, str] | None:
+        return None if self.agent_id is None else (self.namespace, self.agent_id)
+
+
+@dataclass
+class ReadyWork:
+    rounds: list[list[ChatTurn]] = field(default_factory=list)  # each runs as one engine round
+    ordinary: list[ChatTurn] = field(default_factory=list)
+
+
+def overlaps(a: ChatTurn, b: ChatTurn) -> bool:
+    """Same namespace and a message in common outside the common message prefix."""
+    if a.namespace != b.namespace:
+        return False
+    start = common_prefix(a.contents, b.contents)
+    return not set(a.contents[start:]).isdisjoint(b.contents[start:])
+
+
+class RoundGatherer:
+    def __init__(self, window_s: float, round_timeout_s: float):
+        self.window_s = window_s
+        self.round_timeout_s = round_timeout_s
+        self._pending: list[ChatTurn] = []  # transparent turns, in arrival order
+        self._declared: dict[tuple[str, str], list[ChatTurn]] = {}  # (namespace, round_id) -> turns
+        self._ready: list[list[ChatTurn]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending) + sum(map(len, self._declared.values())) + sum(map(len, self._ready))
+
+    def add(self, turn: ChatTurn) -> None:
+        """Queue a turn; raises InvalidRequestError if its agent is already in its declared round."""
+        if turn.round_id is None:
+            self._pending.append(turn)
+            return
+        key = (turn.namespace, turn.round_id)
+        group = self._declared.setdefault(key, [])
+        if turn.agent_id is not None and any(t.agent_id == turn.agent_id for t in group):
+            raise InvalidRequestError(f"agent {turn.agent_id!r} is already in round {turn.round_id!r}")
+        group.append(turn)
+        if turn.round_size is not None and len(group) >= turn.round_size:
+            self._ready.append(self._declared.pop(key))
+
+    def add_round(self, turns: Sequence[ChatTurn]) -> None:
+        self._ready.append(list(turns))
+
+    def remove(self, key: str) -> list[ChatTurn]:
+        """Take back the turns of one HTTP request (its client went away)."""
+        removed = [t for t in self._pending if t.key == key]
+        self._pending = [t for t in self._pending if t.key != key]
+        for groups in (list(self._declared.values()), self._ready):
+            for group in groups:
+                removed += [t for t in group if t.key == key]
+                group[:] = [t for t in group if t.key != key]
+        self._ready = [g for g in self._ready if g]
+        self._declared = {k: g for k, g in self._declared.items() if g}
+        return removed
+
+    def next_deadline(self) -> float | None:
+        deadlines = [self._deadline(g) for g in self._declared.values()]
+        if self._pending:
+            deadlines.append(self._pending[0].arrival + self.window_s)
+        if self._ready:
+            deadlines.append(0.0)
+        return min(deadlines, default=None)
+
+    def pop_ready(self, now: float) -> ReadyWork:
+        work = ReadyWork(rounds=self._ready)
+        self._ready = []
+        for key, group in list(self._declared.items()):
+            if now >= self._deadline(group):
+                work.rounds.append(self._declared.pop(key))
+        if self._pending and now >= self._pending[0].arrival + self.window_s:
+            members, work.ordinary = self._split(self._pending, now)
+            if members:
+                work.rounds.append(members)
+        return work
+
+    def _deadline(self, group: list[ChatTurn]) -> float:
+        wait = self.round_timeout_s if group[0].round_size is not None else self.window_s
+        return group[0].arrival + wait
+
+    def _split(self, turns: list[ChatTurn], now: float) -> tuple[list[ChatTurn], list[ChatTurn]]:
+        """(one round: turns that overlap another or name an agent; ordinary turns). A second turn
+        of an agent already in the round waits for the next window."""
+        joined = {id(t) for a, b in itertools.combinations(turns, 2) if overlaps(a, b) for t in (a, b)}
+        members, ordinary, agents = [], [], set()
+        self._pending = []
+        for turn in turns:
+            if turn.agent_key is not None and turn.agent_key in agents:
+                turn.arrival = now
+                self._pending.append(turn)
+            elif turn.agent_id is not None or id(turn) in joined:
+                members.append(turn)
+                agents.add(turn.agent_key)
+            else:
+                ordinary.append(turn)
+        return members, ordinary

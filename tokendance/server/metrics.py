@@ -1,0 +1,119 @@
+"""Prometheus metrics in the text exposition format, without a client library.
+
+Counters only grow, gauges hold the latest value, histograms keep cumulative bucket counts, a sum
+and a count. Thread-safe: the engine thread and the HTTP event loop both record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+AGENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+# name -> (type, help, buckets for histograms)
+DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
+    "tokendance_http_requests_total": ("counter", "HTTP requests answered, by endpoint and status", None),
+    "tokendance_requests_in_flight": ("gauge", "generation requests admitted and not yet answered", None),
+    "tokendance_requests_finished_total": ("counter", "engine requests finished, by finish reason", None),
+    "tokendance_prompt_tokens_total": ("counter", "prompt tokens of finished requests", None),
+    "tokendance_cached_prompt_tokens_total": ("counter", "prompt tokens served from cache or shared KV", None),
+    "tokendance_generation_tokens_total": ("counter", "tokens generated", None),
+    "tokendance_request_latency_seconds": ("histogram", "end-to-end latency of generation requests", LATENCY_BUCKETS),
+    "tokendance_time_to_first_token_seconds": ("histogram", "time to the first token", LATENCY_BUCKETS),
+    "tokendance_engine_running_requests": ("gauge", "requests the scheduler is running", None),
+    "tokendance_engine_waiting_requests": ("gauge", "requests waiting in the scheduler", None),
+    "tokendance_gather_pending_requests": ("gauge", "chat requests waiting for a round to form", None),
+    "tokendance_kv_blocks_total": ("gauge", "blocks in the KV pool", None),
+    "tokendance_kv_blocks_used": ("gauge", "KV blocks held by requests and agent sessions", None),
+    "tokendance_kv_blocks_free": ("gauge", "KV blocks free (cached prefix blocks count as free)", None),
+    "tokendance_agent_sessions": ("gauge", "agent sessions holding KV between rounds", None),
+    "tokendance_session_evictions_total": ("counter", "agent sessions evicted under memory pressure", None),
+    "tokendance_rounds_total": ("counter", "rounds run, by how they formed", None),
+    "tokendance_rounds_failed_total": ("counter", "rounds that failed (their requests got an error or ran alone)", None),
+    "tokendance_round_agents": ("histogram", "agents per round", AGENT_BUCKETS),
+    "tokendance_last_round_agents": ("gauge", "agents in the last round", None),
+    "tokendance_round_seconds": ("histogram", "round latency: until every agent has its output", LATENCY_BUCKETS),
+    "tokendance_round_prefill_seconds": ("histogram", "round TTFT: until every agent has its first token", LATENCY_BUCKETS),
+    "tokendance_round_logical_kv_tokens_total": ("counter", "KV tokens in the agents' tables after each round", None),
+    "tokendance_round_physical_kv_tokens_total": ("counter", "physical KV tokens (blocks x block size) holding them", None),
+    "tokendance_round_compression": ("gauge", "logical / physical KV tokens of the last round", None),
+    "tokendance_round_shared_compression": ("gauge", "shared-span tokens / distinct slots holding them, last round", None),
+    "tokendance_round_kv_bytes_per_agent": ("gauge", "KV bytes per agent of the last round", None),
+}
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Histogram:
+    def __init__(self, buckets: tuple):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[Labels, float]] = {name: {} for name in DEFINITIONS}
+        self._histograms = {name: Histogram(d[2]) for name, d in DEFINITIONS.items() if d[0] == "histogram"}
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._values[name]
+            series[key] = series.get(key, 0) + value
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        with self._lock:
+            self._values[name][tuple(sorted(labels.items()))] = value
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            self._histograms[name].observe(value)
+
+    def render(self) -> str:
+        lines = []
+        with self._lock:
+            for name, (kind, help_text, _) in DEFINITIONS.items():
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+                if kind == "histogram":
+                    lines += _histogram_lines(name, self._histograms[name])
+                    continue
+                series = self._values[name] or {(): 0}
+                lines += [f"{name}{_labels(key)} {_number(v)}" for key, v in sorted(series.items())]
+        return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, histogram: Histogram) -> list[str]:
+    lines, total = [], 0
+    for bound, count in zip((*histogram.buckets, "+Inf"), histogram.counts):
+        total += count
+        lines.append(f'{name}_bucket{{le="{bound}"}} {total}')
+    return lines + [f"{name}_sum {_number(histogram.sum)}", f"{name}_count {total}"]
+
+
+def _labels(key: Labels) -> str:
+    if not key:
+        return ""
+    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in key)
+    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(key, escaped)) + "}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def parse(text: str) -> dict[str, float]:
+    """Sample lines of the exposition format as {'name{labels}': value} (for tests and scripts)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
