@@ -8,6 +8,7 @@ must not stall the event loop), then handed to the engine thread as a job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -118,8 +119,9 @@ class Api:
         key, namespace = f"chatcmpl-{uuid.uuid4().hex}", body.cache_salt or ""
         prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
         sink = Sink(key, 1)
-        turn = ChatTurn(key, messages, params, prepared, sink, namespace=namespace, agent_id=body.agent_id,
-                        round_id=body.round_id, round_size=body.round_size, arrival=time.monotonic())
+        turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
+                        agent_id=body.agent_id, round_id=body.round_id, round_size=body.round_size,
+                        arrival=time.monotonic())
         may_join = body.agent_id or body.round_id or self.config.gather_window_s > 0
         self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
         if body.stream:
@@ -159,7 +161,7 @@ class Api:
             params = body.sampling_params(None, **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
             prepared = await self._validate(lambda: self._chat_request(messages, params, f"{key}-{i}", namespace),
                                             f"agents.{i}.messages")
-            turns.append(ChatTurn(key, messages, params, prepared, sink, index=i, namespace=namespace,
+            turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i, namespace=namespace,
                                   agent_id=agent.agent_id))
         self.loop.submit(RoundJob(turns))
         outputs = await self._collect(request, sink, started)
@@ -185,6 +187,10 @@ class Api:
         """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
         joins a round or not, and a shared message the same ids wherever it sits."""
         token_ids = [t for segment in chat_segments(self.engine.tokenizer, messages) for t in segment]
+        if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
+            kv = self.engine.kv
+            room = min(self.engine.max_model_len, kv.pool.num_blocks * kv.block_size) - len(token_ids)
+            params = dataclasses.replace(params, max_tokens=max(1, room))
         return self.engine.make_request(token_ids, params, request_id=request_id, namespace=namespace)
 
     async def _validate(self, make, param: str):
