@@ -45,7 +45,10 @@ class DecodeAttention:
     query_rows: torch.Tensor  # [B] rows of the flat batch
     context_slots: torch.Tensor  # [B, max_context] slots, padding points at slot 0
     mask: torch.Tensor  # [B, 1, 1, max_context] bool, False on padding
-    rotation: KeyRotation | None = None  # over the flattened [B * max_context] keys
+    # Keys in the first `num_rotated` columns are read at other positions than they were stored
+    # for: `rotation` covers the flattened [B * num_rotated] keys; the other columns need none.
+    rotation: KeyRotation | None = None
+    num_rotated: int = 0
 
 
 @dataclass
@@ -299,8 +302,11 @@ def paged_attention(
     if d is not None:
         batch, max_context = d.context_slots.shape
         flat_slots = d.context_slots.reshape(-1)
-        # [B * Lk, Hkv, D] -> [B, Hkv, Lk, D]
-        keys = read_keys(key_cache, flat_slots, d.rotation).view(batch, max_context, *key_cache.shape[1:])
+        # [B * Lk, Hkv, D] -> [B, Lk, Hkv, D]
+        keys = key_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
+        if d.rotation is not None:
+            rotated = d.context_slots[:, : d.num_rotated].reshape(-1)
+            keys[:, : d.num_rotated] = read_keys(key_cache, rotated, d.rotation).view(batch, d.num_rotated, *key_cache.shape[1:])
         values = value_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
         # Each KV head's query group as Lq rows: [B, Hkv, Hq/Hkv, D]. Measured 1.8x faster than
         # SDPA's enable_gqa for one query per request, with identical results.

@@ -158,11 +158,20 @@ class ModelRunner:
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]
         width = max(lengths)
-        padded = self._tensor([s + [0] * (width - len(s)) for s in slots])
+        padded = self._tensor([s + [0] * (width - len(s)) for s in slots])  # [B, Lk]
         key_positions = torch.arange(width, device=self.device)
         mask = key_positions[None, :] < self._tensor(lengths)[:, None]  # [B, Lk]
-        rotation = self._rotation(padded, key_positions[None, :].expand_as(padded), mask)
-        return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :], rotation)
+        shift = (key_positions[None, :] - self.kv_cache.positions[padded]).masked_fill(~mask, 0)
+        is_shifted = shift != 0
+        if not bool(is_shifted.any()):
+            return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :])
+        # Attention does not depend on the order of the keys: move each row's shifted keys to
+        # its first columns, so only the first `num_rotated` columns go through the rotation.
+        order = torch.sort(is_shifted.to(torch.int8), dim=1, descending=True, stable=True).indices
+        padded, mask, shift = padded.gather(1, order), mask.gather(1, order), shift.gather(1, order)
+        num_rotated = int(is_shifted.sum(1).max())
+        rotation = self.model.key_rotation(shift[:, :num_rotated])
+        return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :], rotation, num_rotated)
 
     def _rotation(self, slots: torch.Tensor, key_positions: torch.Tensor, valid=None):
         """RoPE corrections for keys stored at other positions than they are read (shared KV)."""
