@@ -46,6 +46,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drive an OpenAI-compatible server (base URL ending in /v1) instead of in-process engines")
     parser.add_argument("--target-model", default=None, help="model name to send to --target (default: its first)")
     parser.add_argument("--api-key", default="EMPTY", help="API key for --target")
+    parser.add_argument("--declare-rounds", action="store_true",
+                        help="with --target: send TokenDance's agent_id/round_id/round_size fields")
     parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
 

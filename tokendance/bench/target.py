@@ -1,0 +1,128 @@
+"""`tokendance bench --target URL`: the same workload against any OpenAI-compatible server (for
+example vLLM or `tokendance serve`), each round's agents sent concurrently as streamed chat
+completions; round latency and round TTFT measured here, on the client side."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from tokendance.bench.simulation import SILENT
+from tokendance.errors import InvalidRequestError
+from tokendance.workloads import make_workload
+
+
+@dataclass
+class Reply:
+    text: str
+    submitted: float
+    first_token: float | None
+    finished: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Client:
+    """A minimal streaming chat client over the standard library (no extra dependency)."""
+
+    def __init__(self, base_url: str, api_key: str, model: str | None, timeout: float = 600.0):
+        self.base_url, self.api_key, self.timeout = base_url.rstrip("/"), api_key, timeout
+        self.model = model or self._first_model()
+
+    def _request(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, headers={
+            "Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=self.timeout)
+
+    def _first_model(self) -> str:
+        with self._request("/models") as response:
+            models = json.load(response)["data"]
+        if not models:
+            raise InvalidRequestError(f"{self.base_url} serves no model")
+        return models[0]["id"]
+
+    def chat(self, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, **extra}
+        reply = Reply("", time.perf_counter(), None, 0.0)
+        with self._request("/chat/completions", body) as response:
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta", {}).get("content")
+                    if delta:
+                        reply.first_token = reply.first_token or time.perf_counter()
+                        reply.text += delta
+                usage = chunk.get("usage")
+                if usage:
+                    reply.prompt_tokens = usage.get("prompt_tokens", 0)
+                    reply.completion_tokens = usage.get("completion_tokens", 0)
+                    reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        reply.finished = time.perf_counter()
+        reply.first_token = reply.first_token or reply.finished
+        return reply
+
+
+def run_target(args) -> int:
+    client = Client(args.target, args.api_key, args.target_model)
+    agent_counts = args.agents or ([3] if args.workload == "debate" else [4, 8, 16])
+    rows = []
+    with tqdm(total=len(agent_counts) * args.rounds, desc=f"bench {client.model}", unit="round") as bar:
+        for n in agent_counts:
+            workload = make_workload(args.workload, n, seed=args.seed, order=args.order)
+            history: list[dict[str, str]] = []
+            for r in range(args.rounds):
+                bar.set_postfix_str(f"N={n} round {r + 1}")
+                rows.append(run_round(client, workload, r, history, args))
+                bar.update(1)
+    print(format_target(rows, client))
+    out = Path(args.out or "benchmarks/results/target.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"target": args.target, "model": client.model, "rounds": rows}, indent=2))
+    print(f"results in {out}")
+    return 0
+
+
+def run_round(client: Client, workload, round_index: int, history: list, args) -> dict:
+    """All agents of the round at once; the history grows by what they said (closed loop) or by
+    the workload's synthetic outputs (open loop)."""
+    closed = args.loop == "closed"
+    feed = history if closed else [workload.synthetic_outputs(i) for i in range(round_index)]
+    turns = workload.turns(round_index, feed)
+    round_id = f"{workload.name}-{len(workload.agents)}-{args.seed}-{round_index}"
+
+    def send(turn) -> Reply:
+        extra = {"agent_id": turn.agent_id, "round_id": round_id, "round_size": len(turns)} if args.declare_rounds else {}
+        return client.chat(list(turn.messages), workload.output_tokens(turn.agent_id, round_index), extra)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(turns)) as pool:
+        replies = list(pool.map(send, turns))
+    history.append({t.agent_id: (reply.text.strip() or SILENT) for t, reply in zip(turns, replies)})
+    return {
+        "workload": workload.name, "agents": len(turns), "round": round_index + 1, "loop": args.loop,
+        "round_seconds": max(x.finished for x in replies) - started,
+        "prefill_seconds": max(x.first_token for x in replies) - started,
+        "prompt_tokens": sum(x.prompt_tokens for x in replies),
+        "cached_tokens": sum(x.cached_tokens for x in replies),
+        "completion_tokens": sum(x.completion_tokens for x in replies),
+    }
+
+
+def format_target(rows: list[dict], client: Client) -> str:
+    lines = [f"{client.base_url} ({client.model})",
+             f"{'N':>4} {'rd':>2}{'round s':>9}{'TTFT s':>8}{'prompt tok':>11}{'cached':>8}{'out tok':>8}"]
+    for r in rows:
+        lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['prefill_seconds']:>8.2f}"
+                     f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}")
+    return "\n".join(lines)
