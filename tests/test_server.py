@@ -123,16 +123,27 @@ def villager(i: int, task: str = "what do you do next?") -> list[dict]:
 
 
 def open_stream(server: Server, body: dict, events: int, headers=None) -> http.client.HTTPConnection:
-    """Start a streaming request and read `events` SSE events; the caller closes the connection."""
+    """Start a streaming request and read `events` SSE events (`read_events` reads more); the
+    caller closes the connection."""
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
                        headers={"Content-Type": "application/json", **(headers or {})})
     response = connection.getresponse()
     assert response.status == 200
+    connection.stream = response
+    read_events(connection, events)
+    return connection
+
+
+def read_events(connection: http.client.HTTPConnection, events: int) -> None:
     seen = 0
     while seen < events:
-        seen += response.fp.readline().startswith(b"data:")
-    return connection
+        seen += connection.stream.fp.readline().startswith(b"data:")
+
+
+def disconnect(connection: http.client.HTTPConnection) -> None:
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
 
 
 def long_chat(model: str) -> dict:
@@ -372,19 +383,35 @@ def test_disconnect_aborts_and_frees_kv(server):
     baseline = server.metrics()
     connection = open_stream(server, long_chat(server.model), events=4)
     assert server.metrics()["tokendance_kv_blocks_used"] > baseline["tokendance_kv_blocks_used"]
-    connection.sock.shutdown(socket.SHUT_RDWR)
-    connection.close()
+    disconnect(connection)
     wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
     # a non-streaming request whose client leaves is aborted too
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.request("POST", "/v1/chat/completions", body=json.dumps({**long_chat(server.model), "stream": False}),
                        headers={"Content-Type": "application/json"})
     wait_until(lambda: server.metrics()["tokendance_engine_running_requests"] == 1, timeout=30)
-    connection.sock.shutdown(socket.SHUT_RDWR)
-    connection.close()
+    disconnect(connection)
     wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
     aborted = 'tokendance_requests_finished_total{finish_reason="abort"}'
     assert server.metrics()[aborted] - baseline.get(aborted, 0) == 2
+
+
+def test_disconnect_inside_a_running_round_aborts_only_that_agent(server):
+    baseline, rid = server.metrics(), salt()
+    declared = {"round_id": rid, "round_size": 2}
+    connection = open_stream(server, {**long_chat(server.model), "messages": villager(0), **declared}, events=1)
+    status, short = server.post("/v1/chat/completions", {"model": server.model, "messages": villager(1),
+                                                         "max_tokens": 4, **declared})
+    assert status == 200 and short["round"]["num_agents"] == 2
+    read_events(connection, 3)  # the long agent is decoding inside the round
+    disconnect(connection)
+    key = 'tokendance_rounds_total{source="declared"}'
+    wait_until(lambda: server.metrics().get(key, 0) == baseline.get(key, 0) + 1, timeout=30)  # not 2000 tokens later
+    wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=30)
+    after = server.metrics()
+    assert after["tokendance_rounds_failed_total"] == baseline["tokendance_rounds_failed_total"]
+    aborted = 'tokendance_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] - baseline.get(aborted, 0) == 1
 
 
 def test_api_key_required(guarded):

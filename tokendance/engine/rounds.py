@@ -94,6 +94,7 @@ class RoundRunner:
         self.round_index = 0
         self.num_evictions = 0
         self._finished_tables: list[str] = []
+        self._aborted: dict[str, RequestOutput] = {}
 
     # ------------------------------------------------------------ sessions
 
@@ -115,6 +116,15 @@ class RoundRunner:
         self.end_agent(agent)
         self.num_evictions += 1
         return True
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort one request of the running round (e.g. from `on_output`: its client left). Its KV
+        is freed at once (masters it created stay while others hold them), the other agents go on,
+        and the round returns its output with finish_reason "abort" and keeps no session for it."""
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            self._aborted[request_id] = output
+        return output
 
     def end_agent(self, agent_id: str) -> bool:
         session = self.sessions.pop(agent_id, None)
@@ -200,6 +210,7 @@ class RoundRunner:
         """Step the engine until every request of the round finished; other requests sharing the
         engine advance too and their outputs go to `on_output`."""
         done: dict[str, RequestOutput] = {}
+        self._aborted = {}
         while len(done) < len(request_ids):
             outputs = self.engine.step()
             if not outputs and not self.engine.scheduler.running:
@@ -210,6 +221,9 @@ class RoundRunner:
                 if output.finished and output.request_id in request_ids:
                     done[output.request_id] = output
                     self._finished_tables.append(output.request_id)
+            for request_id in request_ids & self._aborted.keys():
+                done[request_id] = self._aborted.pop(request_id)
+        self._aborted = {}
         return done
 
     def _unprepare_waiting(self) -> None:
@@ -242,8 +256,9 @@ class RoundRunner:
     # ------------------------------------------------------------ statistics
 
     def _fill_times(self, stats: RoundStats, report: PrefillReport, outputs: list[RequestOutput], started: float) -> None:
-        stats.prefill_seconds = max(o.first_token_time for o in outputs) - started
-        stats.round_seconds = max(o.finish_time for o in outputs) - started
+        # aborted agents may have no first token and have no finish time
+        stats.prefill_seconds = max((o.first_token_time or started for o in outputs), default=started) - started
+        stats.round_seconds = max((o.finish_time or started for o in outputs), default=started) - started
         stats.decode_seconds = stats.round_seconds - stats.prefill_seconds
         stats.lookup_seconds = report.lookup_seconds
         stats.selection_seconds = report.selection_seconds

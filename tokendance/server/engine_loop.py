@@ -4,7 +4,8 @@ HTTP handlers never touch the engine's state: they validate a request (`make_req
 side effects), put a job on the inbox and await a `Sink`, which the engine thread fills through
 the event loop's `call_soon_threadsafe`. While a round runs (`RoundRunner.run` steps the engine
 itself), the thread keeps serving the inbox from the round's output hook, so ordinary requests
-are added and aborted as usual; only the next round waits for this one to end.
+are added and aborted as usual, and an agent of the round whose client left is aborted alone;
+only the next round waits for this one to end.
 """
 
 from __future__ import annotations
@@ -310,9 +311,12 @@ class EngineLoop:
     def _abort(self, sink: Sink) -> None:
         self.gatherer.remove(sink.key)
         for request_id, route in list(self._routes.items()):
-            if route.sink is sink and request_id not in self._in_round:
+            if route.sink is sink:
                 del self._routes[request_id]
-                output = self.engine.abort_request(request_id)
+                if request_id in self._in_round:  # the round goes on without it
+                    output = self.engine.rounds.abort(request_id)
+                else:
+                    output = self.engine.abort_request(request_id)
                 if output is not None:
                     self._count_finished(output)
 
