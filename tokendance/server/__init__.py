@@ -2,6 +2,7 @@
 
 Layout: `cli` (arguments, no heavy imports), `app` (FastAPI routes and error mapping), `gate`
 (the ASGI middleware for auth, body size and admission), `protocol` (request bodies and response
-shapes), `engine_loop` (the one thread that owns the engine), `gather` (turning chat requests
-into rounds), `metrics` (Prometheus text).
+shapes), `engine_loop` (the one thread that owns the engine), `sink` (outputs from that thread
+to the event loop), `streaming` (SSE deltas), `gather` (turning chat requests into rounds),
+`metrics` (Prometheus text).
 """

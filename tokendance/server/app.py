@@ -24,7 +24,13 @@ from tokendance.errors import TokenDanceError
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import chat_segments
 from tokendance.server.config import ServerConfig
-from tokendance.server.engine_loop import EngineLoop, GenerateJob, RoundJob, Sink, TurnJob, engine_agent_id
+from tokendance.server.engine_loop import (
+    EngineLoop,
+    GenerateJob,
+    RoundJob,
+    TurnJob,
+    engine_agent_id,
+)
 from tokendance.server.gate import Gate
 from tokendance.server.gather import ChatTurn, RoundGatherer
 from tokendance.server.metrics import Metrics
@@ -39,6 +45,7 @@ from tokendance.server.protocol import (
     round_response,
     usage,
 )
+from tokendance.server.sink import Sink
 from tokendance.server.streaming import EventStream, TextDeltas, events
 
 log = logging.getLogger("tokendance.server")

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from tokendance.reuse.segments import AgentTurn
 from tokendance.server.gather import ChatTurn, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
+from tokendance.server.sink import Sink
 
 log = logging.getLogger("tokendance.server")
 
@@ -36,89 +37,6 @@ def engine_agent_id(namespace: str, agent_id: str) -> str:
     same agent id never share a session."""
     scope = hashlib.sha256(namespace.encode()).hexdigest()[:16] if namespace else ""
     return f"agent:{scope}:{agent_id}"
-
-
-class Sink:
-    """The outputs of one HTTP request on their way from the engine thread to the event loop.
-
-    The engine thread calls `put`, `put_stats` and `fail`; the event loop reads. Outputs are
-    cumulative, so only the latest of each choice is kept: a slow reader costs O(choices).
-    `closed` (set by the event loop when the client is gone) makes the engine drop its outputs.
-    """
-
-    def __init__(self, key: str, num_choices: int, wants_stats: bool = False):
-        self.key = key
-        self.num_choices = num_choices
-        self.wants_stats = wants_stats  # a /v1/rounds request: done once the round's stats arrived
-        self.loop = asyncio.get_running_loop()
-        self.outputs: dict[int, RequestOutput] = {}
-        self.round_info: dict[int, dict] = {}
-        self.stats = None
-        self.error: Exception | None = None
-        self.closed = False
-        self.first_output_time: float | None = None
-        self._changed: set[int] = set()
-        self._event = asyncio.Event()
-
-    # ------------------------------------------------------------ engine thread
-
-    def put(self, index: int, output: RequestOutput, round_info: dict | None = None) -> None:
-        self._call(self._on_put, index, output, round_info)
-
-    def put_stats(self, stats) -> None:
-        self._call(self._on_stats, stats)
-
-    def fail(self, error: Exception) -> None:
-        self._call(self._on_fail, error)
-
-    def _call(self, fn: Callable, *args) -> None:
-        if self.closed:
-            return
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
-
-    # ------------------------------------------------------------ event loop
-
-    def _on_put(self, index: int, output: RequestOutput, round_info: dict | None) -> None:
-        if self.first_output_time is None:
-            self.first_output_time = time.perf_counter()
-        self.outputs[index] = output
-        if round_info is not None:
-            self.round_info[index] = round_info
-        self._changed.add(index)
-        self._event.set()
-
-    def _on_stats(self, stats) -> None:
-        self.stats = stats
-        self._event.set()
-
-    def _on_fail(self, error: Exception) -> None:
-        self.error = error
-        self._event.set()
-
-    @property
-    def done(self) -> bool:
-        finished = sum(o.finished for o in self.outputs.values())
-        return finished == self.num_choices and (self.stats is not None or not self.wants_stats)
-
-    async def updates(self) -> AsyncIterator[list[int]]:
-        """Yield the indices of choices with new output until all finished; raise the error if
-        the engine reported one."""
-        while not self.done:
-            await self._event.wait()
-            self._event.clear()
-            if self.error is not None:
-                raise self.error
-            changed, self._changed = sorted(self._changed), set()
-            if changed:
-                yield changed
-
-    async def final(self) -> list[RequestOutput]:
-        async for _ in self.updates():
-            pass
-        return [self.outputs[i] for i in range(self.num_choices)]
 
 
 @dataclass
@@ -305,7 +223,7 @@ class EngineLoop:
         route.started = True
         if output.finished:
             del self._routes[output.request_id]
-            self._count_finished(output)
+            self.metrics.record_finished(output)
         route.sink.put(route.index, output, route.round_info)
 
     def _abort(self, sink: Sink) -> None:
@@ -318,7 +236,7 @@ class EngineLoop:
                 else:
                     output = self.engine.abort_request(request_id)
                 if output is not None:
-                    self._count_finished(output)
+                    self.metrics.record_finished(output)
 
     # ------------------------------------------------------------ rounds
 
@@ -347,7 +265,7 @@ class EngineLoop:
             for agent_id in agent_ids:
                 if agent_id.startswith("anon:"):  # nobody can name it again: free its session
                     self.llm.end_agent(agent_id)
-        self._record_round(turns, result.stats)
+        self.metrics.record_round(result.stats, _source(turns))
         for sink in {id(t.sink): t.sink for t in turns if t.sink.wants_stats}.values():
             sink.put_stats(result.stats)
 
@@ -374,42 +292,14 @@ class EngineLoop:
             else:
                 turn.sink.fail(error)
 
-    # ------------------------------------------------------------ metrics
-
-    def _record_round(self, turns: list[ChatTurn], stats) -> None:
-        m = self.metrics
-        if any(t.sink.wants_stats for t in turns):
-            source = "api"
-        elif any(t.round_id is not None for t in turns):
-            source = "declared"
-        else:
-            source = "transparent"
-        m.inc("tokendance_rounds_total", source=source)
-        m.observe("tokendance_round_agents", stats.num_agents)
-        m.set("tokendance_last_round_agents", stats.num_agents)
-        m.observe("tokendance_round_seconds", stats.round_seconds)
-        m.observe("tokendance_round_prefill_seconds", stats.prefill_seconds)
-        m.inc("tokendance_round_logical_kv_tokens_total", stats.logical_kv_tokens)
-        m.inc("tokendance_round_physical_kv_tokens_total", stats.physical_kv_tokens)
-        m.set("tokendance_round_compression", stats.compression)
-        m.set("tokendance_round_shared_compression", stats.shared_compression)
-        m.set("tokendance_round_kv_bytes_per_agent", stats.kv_bytes_per_agent)
-
-    def _count_finished(self, output: RequestOutput) -> None:
-        m = self.metrics
-        m.inc("tokendance_requests_finished_total", finish_reason=output.finish_reason or "abort")
-        m.inc("tokendance_prompt_tokens_total", output.num_prompt_tokens)
-        m.inc("tokendance_cached_prompt_tokens_total", output.num_cached_tokens)
-        m.inc("tokendance_generation_tokens_total", output.num_generated_tokens)
-
     def _publish(self) -> None:
-        engine, m = self.engine, self.metrics
-        pool = engine.kv.pool
-        m.set("tokendance_kv_blocks_total", pool.num_blocks)
-        m.set("tokendance_kv_blocks_used", pool.num_used)
-        m.set("tokendance_kv_blocks_free", pool.num_free)
-        m.set("tokendance_agent_sessions", len(engine.rounds.sessions))
-        m.set("tokendance_session_evictions_total", engine.rounds.num_evictions)
-        m.set("tokendance_engine_running_requests", len(engine.scheduler.running))
-        m.set("tokendance_engine_waiting_requests", len(engine.scheduler.waiting))
-        m.set("tokendance_gather_pending_requests", len(self.gatherer))
+        self.metrics.record_engine(self.engine, len(self.gatherer))
+
+
+def _source(turns: list[ChatTurn]) -> str:
+    """How a round formed, as /metrics labels it."""
+    if any(t.sink.wants_stats for t in turns):
+        return "api"
+    if any(t.round_id is not None for t in turns):
+        return "declared"
+    return "transparent"

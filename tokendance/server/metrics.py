@@ -90,6 +90,41 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+    # ------------------------------------------------------------ what the server records
+
+    def record_finished(self, output) -> None:
+        """A finished (or aborted) engine request's tokens."""
+        self.inc("tokendance_requests_finished_total", finish_reason=output.finish_reason or "abort")
+        self.inc("tokendance_prompt_tokens_total", output.num_prompt_tokens)
+        self.inc("tokendance_cached_prompt_tokens_total", output.num_cached_tokens)
+        self.inc("tokendance_generation_tokens_total", output.num_generated_tokens)
+
+    def record_round(self, stats, source: str) -> None:
+        """A finished round's `RoundStats`; `source` says how it formed."""
+        self.inc("tokendance_rounds_total", source=source)
+        self.observe("tokendance_round_agents", stats.num_agents)
+        self.set("tokendance_last_round_agents", stats.num_agents)
+        self.observe("tokendance_round_seconds", stats.round_seconds)
+        self.observe("tokendance_round_prefill_seconds", stats.prefill_seconds)
+        self.inc("tokendance_round_logical_kv_tokens_total", stats.logical_kv_tokens)
+        self.inc("tokendance_round_physical_kv_tokens_total", stats.physical_kv_tokens)
+        self.set("tokendance_round_compression", stats.compression)
+        self.set("tokendance_round_shared_compression", stats.shared_compression)
+        self.set("tokendance_round_kv_bytes_per_agent", stats.kv_bytes_per_agent)
+
+    def record_engine(self, engine, num_gathering: int) -> None:
+        """The engine's gauges (call on the engine thread: it reads the scheduler and the pool)."""
+        pool = engine.kv.pool
+        self.set("tokendance_kv_blocks_total", pool.num_blocks)
+        self.set("tokendance_kv_blocks_used", pool.num_used)
+        self.set("tokendance_kv_blocks_free", pool.num_free)
+        self.set("tokendance_agent_sessions", len(engine.rounds.sessions))
+        self.set("tokendance_session_evictions_total", engine.rounds.num_evictions)
+        self.set("tokendance_engine_running_requests", len(engine.scheduler.running))
+        self.set("tokendance_engine_waiting_requests", len(engine.scheduler.waiting))
+        self.set("tokendance_gather_pending_requests", num_gathering)
+
+
 def _histogram_lines(name: str, histogram: Histogram) -> list[str]:
     lines, total = [], 0
     for bound, count in zip((*histogram.buckets, "+Inf"), histogram.counts):

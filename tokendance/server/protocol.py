@@ -14,7 +14,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError, TokenDanceError
+from tokendance.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    TokenDanceError,
+)
 from tokendance.outputs import RequestOutput
 from tokendance.sampling import SamplingParams
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 
 from tokendance.outputs import RequestOutput
-from tokendance.server.engine_loop import Sink
 from tokendance.server.protocol import ApiError, sse
+from tokendance.server.sink import Sink
 
 
 class TextDeltas:
