@@ -289,6 +289,8 @@ def test_rounds_endpoint(server):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents[:1] * 2})
     assert status == 400 and body["error"]["param"] == "agents"
+    status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents, "stream": True})
+    assert status == 400 and body["error"]["code"] == "unsupported_parameter"
 
 
 def test_cache_salt_isolates_tenants(server):

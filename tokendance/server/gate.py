@@ -45,10 +45,9 @@ class Gate:
         try:
             await self._handle(scope, receive, counted_send)
         finally:
-            path = scope["path"]
-            endpoint = path if path in KNOWN_PATHS else "other"
             # 499: the client went away before an answer started (nginx's convention)
-            self.metrics.inc("tokendance_http_requests_total", endpoint=endpoint, status=str(status.get("code", 499)))
+            self.metrics.inc("tokendance_http_requests_total", endpoint=_endpoint(scope["path"]),
+                             status=str(status.get("code", 499)))
 
     async def _handle(self, scope, receive, send) -> None:
         body = await self._read_body(receive)
@@ -102,6 +101,16 @@ class Gate:
         expected = f"Bearer {self.config.api_key}".encode()
         given = dict(scope["headers"]).get(b"authorization", b"")
         return hmac.compare_digest(given, expected)
+
+
+def _endpoint(path: str) -> str:
+    """The route a path belongs to (a bounded set of metric labels)."""
+    if path in KNOWN_PATHS:
+        return path
+    for prefix, route in (("/v1/models/", "/v1/models/{model}"), ("/v1/agents/", "/v1/agents/{agent_id}")):
+        if path.startswith(prefix):
+            return route
+    return "other"
 
 
 def _replay(body: bytes, receive):

@@ -165,6 +165,12 @@ class RoundRequest(SamplingFields):
     agents: list[RoundAgent] = Field(min_length=1, max_length=4096)
     cache_salt: str | None = Field(default=None, min_length=1)
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.model_extra or {}).get("stream"):
+            raise ApiError(400, "/v1/rounds does not stream; stream each agent's chat request instead "
+                           "(with round_id and round_size)", param="stream", code="unsupported_parameter")
+
 
 # ---------------------------------------------------------------- responses
 
