@@ -168,8 +168,8 @@ class Api:
             params = body.sampling_params(None, **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
             prepared = await self._validate(lambda: self._chat_request(messages, params, f"{key}-{i}", namespace),
                                             f"agents.{i}.messages")
-            turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i, namespace=namespace,
-                                  agent_id=agent.agent_id))
+            turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i,
+                                  namespace=namespace, agent_id=agent.agent_id))
         self.loop.submit(RoundJob(turns))
         outputs = await self._collect(request, sink, started)
         info = {k: v for k, v in sink.round_info[0].items() if k != "agent_id"}
