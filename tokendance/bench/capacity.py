@@ -80,7 +80,7 @@ def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
     warm_up([llm])
     evictions_before = llm.engine.rounds.num_evictions
     trial = Trial(mode, num_agents, fits=False)
-    simulation = Simulation(workload, {mode: llm}, closed_loop=False)
+    simulation = Simulation(workload, {mode: llm}, closed_loop=False, max_tokens=args.max_tokens)
     try:
         for _ in range(args.rounds):
             (result,) = simulation.step().values()

@@ -100,7 +100,9 @@ def plot_fidelity(sweep: list[dict], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for selection in sorted({r["selection"] for r in sweep}):
-        points = sorted((r["ratio"], r["fidelity"]) for r in sweep if r["selection"] == selection)
+        last = max(r["round"] for r in sweep)
+        points = sorted(((r["ratio"], r["fidelity"]) for r in sweep if r["selection"] == selection and r["round"] == last),
+                        key=lambda p: p[0])
         ratios = [p[0] for p in points]
         left.plot(ratios, [p[1]["top1_agreement"] for p in points], marker="o", label=selection)
         right.plot(ratios, [p[1]["mean_kl"] for p in points], marker="o", label=selection)

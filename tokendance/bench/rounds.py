@@ -71,7 +71,7 @@ def make_engines(loaded, workload, variants: dict[str, dict], args) -> dict[str,
 
 
 def simulate(workload, engines: dict[str, LLM], args, bar, label: str) -> list[dict]:
-    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed")
+    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed", max_tokens=args.max_tokens)
     for r in range(args.rounds):
         simulation.step(on_mode=lambda mode: (bar.set_postfix_str(f"{label} round {r + 1} {mode}"), bar.update(1)))
     rows = simulation.rows()
@@ -94,7 +94,7 @@ def sweep(loaded, args, bar) -> list[dict]:
         for ratio in args.sweep_ratios:
             variants[f"{selection}@{ratio}"] = {"reuse": "tokendance", "selection": selection, "recompute_ratio": ratio}
     engines = make_engines(loaded, workload, variants, args)
-    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed")
+    simulation = Simulation(workload, engines, closed_loop=args.loop == "closed", max_tokens=args.max_tokens)
     for r in range(args.rounds):
         simulation.step(on_mode=lambda label: (bar.set_postfix_str(f"sweep round {r + 1} {label}"), bar.update(1)))
     reference = simulation.traces["full"].results

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from tokendance.engine.rounds import RoundResult
 from tokendance.llm import LLM
 from tokendance.reuse.fidelity import compare
+from tokendance.reuse.segments import AgentTurn
 from tokendance.sampling import SamplingParams
 from tokendance.workloads import Workload
 
@@ -29,11 +30,12 @@ class ModeTrace:
     history: list[dict[str, str]] = field(default_factory=list)
 
 
-def round_params(workload: Workload, round_index: int, closed_loop: bool) -> list[SamplingParams]:
+def round_params(workload: Workload, round_index: int, closed_loop: bool, max_tokens: int | None = None) -> list[SamplingParams]:
     """Greedy; open loop decodes exactly the workload's output length (ignore_eos), closed loop
-    stops at EOS or that length. Logits of the first token are kept for fidelity."""
+    stops at EOS or that length; `max_tokens` caps both. Logits of the first token are kept for
+    fidelity."""
     return [
-        SamplingParams(temperature=0, max_tokens=workload.output_tokens(a, round_index),
+        SamplingParams(temperature=0, max_tokens=min(workload.output_tokens(a, round_index), max_tokens or 1 << 30),
                        ignore_eos=not closed_loop, return_logits=1)
         for a in workload.agents
     ]
@@ -42,14 +44,15 @@ def round_params(workload: Workload, round_index: int, closed_loop: bool) -> lis
 class Simulation:
     """`engines`: mode -> LLM over the same model. `step()` runs the next round in every mode."""
 
-    def __init__(self, workload: Workload, engines: dict[str, LLM], closed_loop: bool):
+    def __init__(self, workload: Workload, engines: dict[str, LLM], closed_loop: bool, max_tokens: int | None = None):
         self.workload, self.engines, self.closed_loop = workload, engines, closed_loop
+        self.max_tokens = max_tokens
         self.traces = {mode: ModeTrace(mode) for mode in engines}
         self.round_index = 0
 
     def step(self, on_mode: Callable[[str], None] | None = None) -> dict[str, RoundResult]:
         r = self.round_index
-        params = round_params(self.workload, r, self.closed_loop)
+        params = round_params(self.workload, r, self.closed_loop, self.max_tokens)
         results = {}
         for mode, llm in self.engines.items():
             if on_mode:
@@ -90,14 +93,14 @@ class Simulation:
 
 
 def warm_up(engines: Sequence[LLM]) -> None:
-    """One small untimed round per engine: compiles the fused key-rotation kernel, fills caches."""
-    from tokendance.workloads import GenerativeAgents
-
-    workload = GenerativeAgents(2, seed=12345)
+    """One tiny untimed round per engine: compiles the fused key-rotation kernel, fills caches."""
+    news = {"role": "user", "content": "The bridge is closed today and the market opens at nine."}
+    turns = [AgentTurn(f"warm-up-{i}", [{"role": "system", "content": f"You are agent {i}."}, news,
+                                         {"role": "user", "content": "What now?"}]) for i in range(2)]
     for llm in engines:
-        llm.run_round(workload.turns(0, []), SamplingParams(temperature=0, max_tokens=2))
-        for agent in workload.agents:
-            llm.end_agent(agent)
+        llm.run_round(turns, SamplingParams(temperature=0, max_tokens=2))
+        for turn in turns:
+            llm.end_agent(turn.agent_id)
 
 
 def kv_budget(llm_or_loaded, workload: Workload, rounds: int, dtype: str, headroom: float = 1.3) -> int:

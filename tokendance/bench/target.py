@@ -103,7 +103,8 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
 
     def send(turn) -> Reply:
         extra = {"agent_id": turn.agent_id, "round_id": round_id, "round_size": len(turns)} if args.declare_rounds else {}
-        return client.chat(list(turn.messages), workload.output_tokens(turn.agent_id, round_index), extra)
+        max_tokens = min(workload.output_tokens(turn.agent_id, round_index), args.max_tokens or 1 << 30)
+        return client.chat(list(turn.messages), max_tokens, extra)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(turns)) as pool:

@@ -1,0 +1,98 @@
+"""Simulations, the bench command's results and the capacity search, on the real model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokendance.bench.capacity import find_max_agents, run_trial
+from tokendance.bench.cli import add_bench_arguments
+from tokendance.bench.rounds import run_rounds
+from tokendance.bench.simulation import Simulation
+from tokendance.workloads import make_workload
+
+MODES = ("full", "prefix", "pic", "tokendance")
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.integers(0, 80), low=st.integers(1, 5), high=st.integers(5, 70))
+def test_capacity_search_finds_the_threshold(threshold, low, high):
+    calls = []
+
+    def fits(n: int) -> bool:
+        calls.append(n)
+        return n <= threshold
+
+    best, tried = find_max_agents(fits, low, high)
+    expected = 0 if threshold < low else min(threshold, high)
+    assert best == expected
+    assert len(calls) == len(set(calls)) == len(tried)  # never the same n twice
+    assert len(calls) <= 2 * high.bit_length() + 2
+    assert all(tried[n] == (n <= threshold) for n in tried)
+
+
+def test_closed_loop_round_trip_in_every_mode(make_llm):
+    workload = make_workload("generative-agents", 3, seed=3)
+    engines = {mode: make_llm(reuse=mode, kv_cache_bytes=96 * 2**20) for mode in MODES}
+    simulation = Simulation(workload, engines, closed_loop=True, max_tokens=6)
+    for _ in range(2):
+        simulation.step()
+    rows = simulation.rows()
+    assert sorted((r["mode"], r["round"]) for r in rows) == sorted((m, r) for m in MODES for r in (1, 2))
+    for mode, trace in simulation.traces.items():
+        assert len(trace.results) == 2 and all(len(h) == 3 for h in trace.history)
+        assert all(0 < o.num_generated_tokens <= 6 for result in trace.results for o in result.outputs)
+        # closed loop: round 2's prompts hold what this mode's agents said in round 1
+        said = trace.history[0]
+        prompt = trace.results[1].outputs[0].prompt_token_ids
+        for agent in workload.agents:
+            line = engines[mode].tokenizer.encode(f"{workload.names[agent]}: {said[agent]}")
+            assert any(prompt[i:i + len(line)] == line for i in range(len(prompt))), (mode, agent)
+    full = [r for r in rows if r["mode"] == "full"]
+    assert all(r["trace"]["identical_outputs"] == 1.0 for r in full)
+    at = {(r["mode"], r["round"]): r for r in rows}
+    assert at[("tokendance", 2)]["shared_compression"] > 1.0
+    assert at[("tokendance", 2)]["kv_bytes_per_agent"] < at[("prefix", 2)]["kv_bytes_per_agent"]
+
+
+def test_bench_writes_every_field_the_plots_use(tmp_path):
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    args = bench_args("--agents", "2", "--rounds", "2", "--modes", "prefix", "tokendance", "--max-tokens", "3",
+                      "--sweep-ratios", "0", "1", "--sweep-selections", "epic", "--sweep-agents", "2",
+                      "--out", str(out), "--plots", str(plots))
+    assert run_rounds(args) == 0
+    results = json.loads(out.read_text())
+    assert len(results["rounds"]) == 2 * 2
+    for row in results["rounds"]:
+        for key in ("agents", "round", "mode", "round_seconds", "prefill_seconds", "decode_seconds",
+                    "kv_bytes_per_agent", "compression", "shared_compression", "computed_tokens", "prompt_tokens"):
+            assert key in row, key
+        assert row["computed_tokens"] <= row["prompt_tokens"]
+    sweep = results["sweep"]
+    assert {(r["ratio"], r["round"]) for r in sweep} == {(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)}
+    for row in sweep:
+        assert {"top1_agreement", "mean_kl"} <= row["fidelity"].keys()
+    # recomputing every token reproduces full prefill: the sweep's anchor point
+    assert all(r["fidelity"]["top1_agreement"] == 1.0 for r in sweep if r["ratio"] == 1.0)
+    assert (plots / "generative-agents-scaling.png").stat().st_size > 0
+    assert (plots / "generative-agents-fidelity.png").stat().st_size > 0
+
+
+def test_capacity_trial_judges_memory(loaded_model):
+    roomy = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-budget-mb", "256", "--slo-seconds", "1e9")
+    trial = run_trial(loaded_model, "tokendance", 2, roomy)
+    assert trial.fits and trial.preemptions == 0 and trial.evictions == 0 and len(trial.round_seconds) == 2
+    # two agents' prompts (~1,000 tokens each) cannot both stay resident in ~600 tokens of KV
+    tight = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-budget-mb", "14", "--slo-seconds", "1e9")
+    for mode in ("prefix", "tokendance"):
+        trial = run_trial(loaded_model, mode, 2, tight)
+        assert not trial.fits and trial.reason != "fits", mode
