@@ -181,3 +181,18 @@ def test_bad_rounds_are_rejected_and_nothing_leaks(make_llm):
     assert all(o.num_generated_tokens > 0 for o in result.outputs)
     reference = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2).run_round(round_turns(1), PARAMS)
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in reference.outputs]
+
+
+@pytest.mark.parametrize("mode", ["pic", "tokendance"])
+def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode):
+    turns = round_turns(3)
+    reference = make_llm(dtype="float32", reuse="full").run_round(turns, PARAMS)
+    longest = max(len(o.prompt_token_ids) for o in reference.outputs) + PARAMS.max_tokens
+    bytes_per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads x 64, float32
+    llm = make_llm(dtype="float32", reuse=mode, recompute_ratio=1.0, kv_cache_bytes=int(2.6 * longest * bytes_per_token))
+    result = llm.run_round(turns, PARAMS)  # four agents' tables cannot be held at once
+    assert result.stats.num_waves > 1 and result.stats.num_agents == len(AGENTS)
+    assert [o.request_id.split(":")[1] for o in result.outputs] == AGENTS
+    for ours, ref in zip(result.outputs, reference.outputs):
+        assert ours.token_ids == ref.token_ids
+        assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL

@@ -69,7 +69,12 @@ class RoundStats:
     shared_physical_tokens: int = 0  # distinct slots holding them (master + diffs)
     shared_compression: float = 0.0
     diff_blocks: int = 0
+    num_waves: int = 1  # > 1: the pool could not hold the round at once; it ran in parts
     agents: list[AgentKVStats] = field(default_factory=list)
+
+
+class RoundTooLarge(CapacityError):
+    """The pool cannot hold a round's prepared KV at once (nothing of it ran yet)."""
 
 
 @dataclass
@@ -145,15 +150,38 @@ class RoundRunner:
         output the engine produces while the round runs (streaming, and requests outside the
         round that share the engine, as in the server)."""
         tokenized, params = self._validate(turns, params)
+        for turn, p in zip(tokenized, params):  # every request is valid before any wave starts
+            self.engine.make_request(turn.token_ids, p, namespace=turn.namespace)
+        started = time.perf_counter()
+        waves = self._run_waves(tokenized, params, on_output)
+        return waves[0] if len(waves) == 1 else merge_waves(waves, started)
+
+    def _run_waves(self, tokenized, params, on_output) -> list[RoundResult]:
+        """The whole round at once or, when the pool cannot hold the round's prepared KV, in two
+        halves (recursively). A later wave may evict an earlier wave's sessions (LRU), never its
+        outputs."""
+        try:
+            return [self._run_wave(tokenized, params, on_output)]
+        except RoundTooLarge:
+            if len(tokenized) == 1:
+                raise
+        half = len(tokenized) // 2
+        return (self._run_waves(tokenized[:half], params[:half], on_output)
+                + self._run_waves(tokenized[half:], params[half:], on_output))
+
+    def _run_wave(self, tokenized: list[TokenizedTurn], params: list[SamplingParams], on_output) -> RoundResult:
         requests = [
             self.engine.make_request(t.token_ids, p, request_id=f"round{self.round_index}:{t.agent_id}", namespace=t.namespace)
             for t, p in zip(tokenized, params)
         ]
-        stats = RoundStats(self.round_index, self.mode.name, len(turns))
+        stats = RoundStats(self.round_index, self.mode.name, len(tokenized))
         self.active = {t.agent_id for t in tokenized}
         started = time.perf_counter()
         try:
-            report = self._prefill(requests, tokenized)
+            try:
+                report = self._prefill(requests, tokenized)
+            except CapacityError as exc:  # nothing was added to the engine yet: a smaller wave may fit
+                raise RoundTooLarge(str(exc)) from exc
             for request in requests:
                 request.retain_kv = True
                 self.engine.add(request)
@@ -310,3 +338,23 @@ class RoundRunner:
         stats.shared_compression = stats.shared_logical_tokens / max(1, stats.shared_physical_tokens)
         stats.diff_blocks = sum(a.diff_blocks for a in stats.agents)
 
+
+
+def merge_waves(waves: list[RoundResult], started: float) -> RoundResult:
+    """One round's result from the waves it ran in: outputs in turn order, times from the start
+    of the first wave, counts summed (each wave had its own masters, so physical KV adds up)."""
+    outputs = [o for w in waves for o in w.outputs]
+    stats = RoundStats(waves[0].stats.round_index, waves[0].stats.mode, len(outputs), num_waves=len(waves))
+    stats.prefill_seconds = max(o.first_token_time or started for o in outputs) - started
+    stats.round_seconds = max(o.finish_time or started for o in outputs) - started
+    stats.decode_seconds = stats.round_seconds - stats.prefill_seconds
+    summed = ("lookup_seconds", "selection_seconds", "recompute_seconds", "private_prefill_seconds", "prompt_tokens",
+              "computed_tokens", "reused_tokens", "recomputed_tokens", "logical_kv_tokens", "physical_kv_blocks",
+              "physical_kv_tokens", "kv_bytes", "shared_logical_tokens", "shared_physical_tokens", "diff_blocks")
+    for name in summed:
+        setattr(stats, name, sum(getattr(w.stats, name) for w in waves))
+    stats.agents = [a for w in waves for a in w.stats.agents]
+    stats.kv_bytes_per_agent = stats.kv_bytes / max(1, len(stats.agents))
+    stats.compression = stats.logical_kv_tokens / max(1, stats.physical_kv_tokens)
+    stats.shared_compression = stats.shared_logical_tokens / max(1, stats.shared_physical_tokens)
+    return RoundResult(outputs, stats)
