@@ -441,6 +441,21 @@ def test_too_many_concurrent_requests_get_429(guarded):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_round_larger_than_the_kv_pool_still_answers_every_agent(guarded):
+    """Three ~1,000-token private prompts do not fit the 64 MiB pool together: the engine runs the
+    round in waves, and every agent's reply still reaches its client."""
+    def notes(i: int) -> str:
+        rng = random.Random(i)
+        return " ".join(f"w{rng.randint(0, 9999)}" for _ in range(400))
+
+    agents = [{"agent_id": f"big{i}", "messages": [{"role": "user", "content": notes(i)}]} for i in range(3)]
+    status, body = guarded.post("/v1/rounds", {"model": guarded.model, "agents": agents, "max_tokens": 2},
+                                headers={"Authorization": "Bearer sesame"}, timeout=300)
+    assert status == 200, body
+    assert [o["agent_id"] for o in body["outputs"]] == ["big0", "big1", "big2"] and body["stats"]["num_waves"] > 1
+    assert all(o["usage"]["prompt_tokens"] > 900 and o["finish_reason"] for o in body["outputs"])
+
+
 def test_load_200_requests_from_32_clients(server):
     baseline = server.metrics()
     client = server.client()

@@ -91,8 +91,8 @@ class EngineLoop:
         self.metrics = metrics
         self.error: BaseException | None = None  # why the thread died, if it did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, Route] = {}
-        self._in_round: set[str] = set()
+        self._routes: dict[str, Route] = {}  # engine request id -> route (ordinary requests)
+        self._agents: dict[str, Route] = {}  # engine agent id -> route, while its round runs
         self._anonymous = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokendance-engine", daemon=True)
@@ -217,26 +217,31 @@ class EngineLoop:
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
-        route = self._routes.get(output.request_id)
+        routes, key = self._routes, output.request_id
+        if key not in routes and key.startswith("round"):  # round requests are "round{index}:{agent_id}";
+            routes, key = self._agents, key.partition(":")[2]  # a round may run in waves of other indices
+        route = routes.get(key)
         if route is None:
             return
         route.started = True
         if output.finished:
-            del self._routes[output.request_id]
+            del routes[key]
             self.metrics.record_finished(output)
         route.sink.put(route.index, output, route.round_info)
 
     def _abort(self, sink: Sink) -> None:
         self.gatherer.remove(sink.key)
-        for request_id, route in list(self._routes.items()):
-            if route.sink is sink:
-                del self._routes[request_id]
-                if request_id in self._in_round:  # the round goes on without it
-                    output = self.engine.rounds.abort(request_id)
-                else:
-                    output = self.engine.abort_request(request_id)
-                if output is not None:
-                    self.metrics.record_finished(output)
+        rounds = self.engine.rounds
+        for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
+            del self._routes[request_id]
+            self._aborted(self.engine.abort_request(request_id))
+        for agent_id in [a for a, route in self._agents.items() if route.sink is sink]:
+            del self._agents[agent_id]  # the round goes on without it (a later wave runs it unheard)
+            self._aborted(rounds.abort(f"round{rounds.round_index}:{agent_id}"))
+
+    def _aborted(self, output: RequestOutput | None) -> None:
+        if output is not None:
+            self.metrics.record_finished(output)
 
     # ------------------------------------------------------------ rounds
 
@@ -249,19 +254,17 @@ class EngineLoop:
             f"anon:{next(self._anonymous)}" if t.agent_id is None else engine_agent_id(t.namespace, t.agent_id)
             for t in turns
         ]
-        request_ids = [f"round{index}:{a}" for a in agent_ids]
-        for request_id, turn in zip(request_ids, turns):
+        for agent_id, turn in zip(agent_ids, turns):
             info = {"index": index, "agent_id": turn.agent_id, "num_agents": len(turns)}
-            self._routes[request_id] = Route(turn.sink, turn.index, info)
-        self._in_round = set(request_ids)
+            self._agents[agent_id] = Route(turn.sink, turn.index, info)
         agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]
         try:
             result = self.engine.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output)
         except Exception as exc:
-            self._round_failed(turns, request_ids, exc)
+            self._round_failed(turns, agent_ids, exc)
             return
         finally:
-            self._in_round = set()
+            self._agents = {}
             for agent_id in agent_ids:
                 if agent_id.startswith("anon:"):  # nobody can name it again: free its session
                     self.llm.end_agent(agent_id)
@@ -274,7 +277,7 @@ class EngineLoop:
         self._drain_inbox(block=False)
         self._publish()
 
-    def _round_failed(self, turns: list[ChatTurn], request_ids: list[str], exc: Exception) -> None:
+    def _round_failed(self, turns: list[ChatTurn], agent_ids: list[str], exc: Exception) -> None:
         """Turns that had no output yet are served alone (a transparent round is an optimisation,
         not a contract); the others, and whole /v1/rounds requests, get the error."""
         self.metrics.inc("tokendance_rounds_failed_total")
@@ -283,8 +286,8 @@ class EngineLoop:
         else:
             log.exception("round failed", exc_info=exc)
             error = ApiError(500, f"round failed: {exc}", type="server_error")
-        for request_id, turn in zip(request_ids, turns):
-            route = self._routes.pop(request_id, None)
+        for agent_id, turn in zip(agent_ids, turns):
+            route = self._agents.pop(agent_id, None)
             if route is None:
                 continue  # it finished before the failure
             if isinstance(exc, TokenDanceError) and not route.started and not turn.sink.wants_stats:

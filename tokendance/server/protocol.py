@@ -236,6 +236,7 @@ def round_response(request_id: str, model: str, agent_ids: list[str], outputs: l
         "stats": {
             "mode": stats.mode,
             "num_agents": stats.num_agents,
+            "num_waves": stats.num_waves,
             "round_seconds": stats.round_seconds,
             "prefill_seconds": stats.prefill_seconds,
             "prompt_tokens": stats.prompt_tokens,
