@@ -125,6 +125,43 @@ def test_sessions_compute_only_new_tokens(make_llm):
     assert expected.stats.computed_tokens == sum(o.num_prompt_tokens for o in expected.outputs)
 
 
+def memory_turns(round_index: int) -> list[AgentTurn]:
+    """Each agent's retrieved memories: one line leaves and one arrives per round, so the lines
+    that stay sit at other positions than in the agent's previous prompt."""
+    turns = []
+    for agent in AGENTS[:2]:
+        rng = random.Random(f"memories-{agent}")
+        lines = [f"- {agent} saw " + " ".join(rng.choice(WORDS) for _ in range(10)) + "." for _ in range(8)]
+        memories = "\n".join(lines[round_index:round_index + 6])
+        turns.append(AgentTurn(agent, [{"role": "system", "content": persona(agent, 12)},
+                                       {"role": "user", "content": f"Memories:\n{memories}"},
+                                       {"role": "user", "content": f"Day {round_index}: what do you do?"}]))
+    return turns
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_sessions_recall_segments_that_moved(make_llm, ratio):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=ratio)
+    reference = make_llm(dtype="float32", reuse="full")
+    llm.run_round(memory_turns(0), PARAMS)
+    second = llm.run_round(memory_turns(1), PARAMS)
+    expected = reference.run_round(memory_turns(1), PARAMS)
+    tokenizer = llm.tokenizer
+    # lines 2-4 of round 0 are lines 1-3 of round 1, one line earlier: recalled, not recomputed
+    # (line 1 may begin inside the prefix the prompts share, and line 5 ended the message before)
+    moved = sum(len(tokenizer.encode(line + "\n")) for turn in memory_turns(0) for line in turn.messages[1]["content"].split("\n")[3:6])
+    if ratio == 0.0:
+        assert second.stats.reused_tokens >= moved
+        assert second.stats.computed_tokens <= expected.stats.computed_tokens - moved
+        assert [o.logits[0].argmax() for o in second.outputs] == [o.logits[0].argmax() for o in expected.outputs]
+    else:  # recomputing every recalled token reproduces full prefill
+        assert second.stats.reused_tokens == 0 and second.stats.recomputed_tokens >= moved
+        assert [o.token_ids for o in second.outputs] == [o.token_ids for o in expected.outputs]
+        for ours, ref in zip(second.outputs, expected.outputs):
+            assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
+    assert not any(table.startswith("recall:") for table in llm.engine.kv.requests)  # released after the prefill
+
+
 def test_ending_or_evicting_an_agent_leaves_the_others_unchanged(make_llm):
     ratio = dict(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
     kept, ended, evicted = make_llm(**ratio), make_llm(**ratio), make_llm(**ratio)

@@ -76,19 +76,31 @@ class CollectiveMode(ReuseMode):
         self.strategy = KVCollector(round_kv, scope)
 
     def open_table(self, rounds, request: Request, turn: TokenizedTurn) -> AgentPrefill:
-        """The agent's session table, cut to the longest prefix its new prompt shares with it."""
+        """The agent's session table, cut to the longest prefix its new prompt shares with it.
+        The segments of the session after the cut stay held for the prefill (recall)."""
         kv, prepared = rounds.engine.kv, request.num_tokens - 1
         session = rounds.sessions.pop(turn.agent_id, None)
         if session is None:
             kv.create_table(request.request_id)
             return AgentPrefill(request.request_id, turn, 0)
         common = min(common_prefix(session.token_ids, turn.token_ids), prepared)
+        slots = kv.get_slots(session.table_id)
+        wanted = {s.content for s in turn.spans if s.start >= common}
+        recall = {s.content: slots[s.start:s.end] for s in session.spans
+                  if s.content in wanted and common <= s.start and s.end <= len(slots)}
+        if recall:  # only the blocks of segments the new prompt holds again stay for the prefill
+            recall_id = f"recall:{turn.agent_id}"
+            kv.create_table(recall_id)
+            kv.append_shared_slots(recall_id, [slot for span in recall.values() for slot in span])
+            self.strategy.round_kv.held_tables.append(recall_id)
         kv.rename(session.table_id, request.request_id)
         kv.truncate(request.request_id, common)
-        return AgentPrefill(request.request_id, turn, common)
+        return AgentPrefill(request.request_id, turn, common, recall=recall)
 
     def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
-        return self.strategy.prefill(agents)
+        report = self.strategy.prefill(agents)
+        self.strategy.round_kv.release_held()
+        return report
 
 
 def make_mode(name: str, round_kv: RoundKV, collective_scope: str) -> ReuseMode:

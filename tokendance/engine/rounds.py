@@ -20,7 +20,7 @@ from tokendance.engine.request import Request
 from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.collector import PrefillReport, RoundKV
-from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
+from tokendance.reuse.segments import AgentTurn, PromptSpan, TokenizedTurn, tokenize_round
 from tokendance.reuse.selection import make_selector
 from tokendance.sampling import SamplingParams
 
@@ -32,6 +32,7 @@ class Session:
     table_id: str
     token_ids: list[int]
     last_round: int
+    spans: list[PromptSpan] = field(default_factory=list)  # segments of its last prompt
 
 
 @dataclass
@@ -273,7 +274,7 @@ class RoundRunner:
                 table_id = f"session:{turn.agent_id}"
                 self.engine.kv.rename(request.request_id, table_id)
                 computed = request.token_ids[: request.num_computed_tokens]
-                self.sessions[turn.agent_id] = Session(table_id, computed, self.round_index)
+                self.sessions[turn.agent_id] = Session(table_id, computed, self.round_index, turn.spans)
             else:
                 self.engine.kv.free(request.request_id)
         self.round_kv.release_masters()

@@ -42,6 +42,9 @@ class AgentPrefill:
     num_reused_prefix: int
     selected: dict[int, list[int]] = field(default_factory=dict)  # span index -> offsets
     reused_spans: list[int] = field(default_factory=list)  # indices of spans served from shared KV
+    # Segments of the agent's previous prompt, by content: their slots (held for the prefill),
+    # so a segment that moved (retrieved memories, a feed) is reused like a shared span.
+    recall: dict[bytes, list[int]] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:
@@ -53,10 +56,12 @@ class AgentPrefill:
         return len(self.turn.token_ids) - 1
 
     def spans_to_reuse(self) -> list[int]:
+        """Spans after the reused prefix that are shared in the round or recalled from the
+        agent's previous prompt."""
         end = self.num_prepared
         return [
             i for i, s in enumerate(self.turn.spans)
-            if s.key is not None and s.start >= self.num_reused_prefix and s.end <= end
+            if (s.key is not None or s.content in self.recall) and s.start >= self.num_reused_prefix and s.end <= end
         ]
 
 
@@ -94,6 +99,7 @@ class RoundKV:
         # span key -> (table id, first token, length) of its master: the span as the first agent
         # holding it computed it, in that agent's own context (see KVCollector)
         self.masters: dict[bytes, tuple[str, int, int]] = {}
+        self.held_tables: list[str] = []  # kept alive for the prefill only (recalled sessions)
 
     # ------------------------------------------------------------ allocation
 
@@ -108,13 +114,27 @@ class RoundKV:
     def release_masters(self) -> None:
         """Forget this round's masters (their blocks live on while any table references them)."""
         self.masters.clear()
+        self.release_held()
+
+    def release_held(self) -> None:
+        for table_id in self.held_tables:
+            if self.kv.has(table_id):
+                self.kv.free(table_id)
+        self.held_tables.clear()
 
     def register_masters(self, agent: "AgentPrefill") -> None:
         """Make the agent's computed shared spans the masters of spans not mastered yet."""
         for index in agent.spans_to_reuse():
             span = agent.turn.spans[index]
-            if span.key not in self.masters:
+            if span.key is not None and span.key not in self.masters:
                 self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
+
+    def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
+        """Base KV of a reused span: the round's master if shared, else the agent's recall."""
+        span = agent.turn.spans[index]
+        if span.key in self.masters:
+            return self.master_slots(span.key)
+        return agent.recall[span.content]
 
     # ------------------------------------------------------------ forward passes
 
@@ -205,7 +225,7 @@ class KVCollector:
         # Masters: a few agents whose prompts hold every distinct span (greedy cover) compute them
         # in full; their in-context KV of each span is the base every other agent reuses (closer
         # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
-        masters = _first_holders(agents)
+        masters = _choose_masters(agents)
         for agent in masters:
             agent.reused_spans = []
             self._build_table(agent)
@@ -213,6 +233,9 @@ class KVCollector:
         for agent in masters:
             rk.register_masters(agent)
         others = [a for a in agents if all(a is not m for m in masters)]
+        for agent in others:  # shared spans no master holds are computed by each holder
+            agent.reused_spans = [i for i in agent.reused_spans
+                                  if agent.turn.spans[i].key is None or agent.turn.spans[i].key in rk.masters]
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -243,13 +266,18 @@ class KVCollector:
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
-                deviation = rk.deviation(keys[rows], rk.master_slots(span.key), range(span.start, span.end))
+                deviation = rk.deviation(keys[rows], rk.source_slots(agent, index), range(span.start, span.end))
                 agent.selected[index] = selector.select(span.end - span.start, deviation)
-                chosen.setdefault(span.key, agent.selected[index])
+                if span.key is not None:
+                    chosen.setdefault(span.key, agent.selected[index])
         if self.scope == "block":
             for agent in agents:
                 for index in agent.reused_spans:
-                    agent.selected[index] = chosen[agent.turn.spans[index].key]
+                    span = agent.turn.spans[index]
+                    if span.key is not None:
+                        agent.selected[index] = chosen[span.key]
+                    elif index not in agent.selected:  # a recalled span no probe checked
+                        agent.selected[index] = list(range(selector.budget(span.end - span.start)))
         checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
         return checked * (rk.check_layer + 1) / rk.num_layers
 
@@ -266,7 +294,7 @@ class KVCollector:
                 position = end
                 continue
             span = agent.turn.spans[index]
-            master = rk.master_slots(span.key)
+            master = rk.source_slots(agent, index)
             chosen = set(agent.selected[index])
             for offset in range(span.end - span.start):
                 if offset in chosen:
@@ -277,15 +305,47 @@ class KVCollector:
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """A small set of agents whose reused spans cover every distinct span (greedy, in order)."""
+    """A small set of agents whose reused spans cover every distinct shared span (greedy, in order)."""
     seen: set[bytes] = set()
     holders = []
     for agent in agents:
-        keys = {agent.turn.spans[i].key for i in agent.reused_spans}
+        keys = {agent.turn.spans[i].key for i in agent.reused_spans} - {None}
         if keys - seen:
             holders.append(agent)
             seen |= keys
     return holders
+
+
+def _choose_masters(agents: list[AgentPrefill]) -> list[AgentPrefill]:
+    """Agents that compute their prompts in full so that their shared spans become masters.
+    Greedy: the agent whose not-yet-covered spans save the others the most tokens, as long as
+    that saving exceeds what it gives up (reusing its own shared spans). A span only a few
+    agents hold by chance is not worth a master: its holders compute it themselves."""
+    holders: dict[bytes, int] = {}
+    lengths: dict[bytes, int] = {}
+    shared_tokens: dict[int, int] = {}
+    for agent in agents:
+        spans = [agent.turn.spans[i] for i in agent.reused_spans if agent.turn.spans[i].key is not None]
+        shared_tokens[id(agent)] = sum(s.end - s.start for s in spans)
+        for span in {s.key: s for s in spans}.values():
+            holders[span.key] = holders.get(span.key, 0) + 1
+            lengths[span.key] = span.end - span.start
+    covered: set[bytes] = set()
+    masters: list[AgentPrefill] = []
+    candidates = list(agents)
+
+    def saving(agent: AgentPrefill) -> int:
+        keys = {agent.turn.spans[i].key for i in agent.reused_spans} - {None} - covered
+        return sum(lengths[k] * (holders[k] - 1) for k in keys)
+
+    while candidates:
+        best = max(candidates, key=saving)
+        if saving(best) <= shared_tokens[id(best)]:
+            break
+        masters.append(best)
+        candidates.remove(best)
+        covered |= {best.turn.spans[i].key for i in best.reused_spans} - {None}
+    return masters
 
 
 def _count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:

@@ -35,11 +35,14 @@ class AgentTurn:
 
 @dataclass
 class PromptSpan:
-    """A segment placed in a prompt: tokens [start, end); `key` names its content if shared."""
+    """A segment placed in a prompt: tokens [start, end); `key` names its content if shared with
+    other agents of the round; `content` names it always (an agent's session finds the segments
+    of its previous prompt by it)."""
 
     start: int
     end: int
     key: bytes | None = None
+    content: bytes | None = None
 
 
 @dataclass
@@ -69,8 +72,9 @@ def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
 
 
 def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[list[int]]:
-    """Token ids of each message as the chat template renders it, plus the generation prompt.
-    Falls back to one segment if the template is not prefix-stable."""
+    """Token ids of each message as the chat template renders it, one segment per line of its
+    content, plus the generation prompt. Falls back to one segment if the template is not
+    prefix-stable."""
     rendered = [""]
     for end in range(1, len(messages) + 1):
         rendered.append(tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False))
@@ -79,7 +83,20 @@ def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[li
     if any(not b.startswith(a) for a, b in zip(rendered, rendered[1:])):
         return [tokenizer.encode(full)]
     pieces = [b[len(a):] for a, b in zip(rendered, rendered[1:])]
-    return [tokenizer.encode(piece) for piece in pieces if piece]
+    contents = [m["content"] for m in messages] + [""]
+    return [tokenizer.encode(line) for piece, content in zip(pieces, contents) for line in split_lines(piece, content)]
+
+
+def split_lines(piece: str, content: str) -> list[str]:
+    """A rendered message cut after each line of its content (a memory list, a feed): lines that
+    recur elsewhere become segments of their own. The template's header stays with the first
+    line and its trailer with the last."""
+    start = piece.find(content) if content else -1
+    if start < 0 or "\n" not in content.rstrip("\n"):
+        return [piece] if piece else []
+    cuts = [start + i + 1 for i, ch in enumerate(content[:-1]) if ch == "\n"]
+    bounds = [0, *cuts, len(piece)]
+    return [piece[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def tokenize_round(tokenizer: ChatTokenizer, turns: Sequence[AgentTurn]) -> list[TokenizedTurn]:
@@ -100,7 +117,7 @@ def tokenize_round(tokenizer: ChatTokenizer, turns: Sequence[AgentTurn]) -> list
             shared = marked if marked is not None else occurrences[key] > 1
             start = len(result.token_ids)
             result.token_ids.extend(ids)
-            result.spans.append(PromptSpan(start, len(result.token_ids), key if shared else None))
+            result.spans.append(PromptSpan(start, len(result.token_ids), key if shared else None, key))
         tokenized.append(result)
     return tokenized
 
