@@ -495,14 +495,20 @@ def test_load_200_requests_from_32_clients(server):
 
 
 def turn(key: str, messages: list[str], arrival: float = 0.0, **fields) -> ChatTurn:
-    msgs = [{"role": "user", "content": m} for m in messages]
+    """A chat turn of user messages; one-letter names stand for lines long enough to share."""
+    msgs = [{"role": "user", "content": "\n".join(LINE.get(x, x) for x in m.split("\n"))} for m in messages]
     return ChatTurn(key, msgs, None, None, None, arrival=arrival, **fields)
 
 
-def test_overlap_ignores_common_prefix_and_namespaces():
+LINE = {c: f"{c}: a line long enough to be worth sharing across agents" for c in "xyz"}
+
+
+def test_overlap_ignores_common_prefix_namespaces_and_short_lines():
     assert overlaps(turn("a", ["sys A", "x", "task a"]), turn("b", ["sys B", "x", "task b"]))
     assert not overlaps(turn("a", ["sys", "x", "task a"]), turn("b", ["sys", "x", "task b"]))  # prefix caching's job
     assert overlaps(turn("a", ["sys", "x", "y", "a"]), turn("b", ["sys", "y", "x", "b"]))
+    assert overlaps(turn("a", ["sys A", "news:\nx\ny"]), turn("b", ["sys B", "feed:\ny"]))  # a shared line
+    assert not overlaps(turn("a", ["sys A", "OK", "a"]), turn("b", ["sys B", "OK", "b"]))  # too short to matter
     assert not overlaps(turn("a", ["p", "x"], namespace="t1"), turn("b", ["q", "x"], namespace="t2"))
 
 

@@ -5,11 +5,12 @@ Three ways into a round:
 - declared: requests with the same `round_id` (and cache namespace) form one round, run as soon
   as `round_size` of them arrived, or after `round_timeout` with those that did;
 - transparent: chat requests pending in the same gather window form one round with every other
-  pending request they *overlap* with. Two requests overlap when they share a message (same role
-  and content) outside their common message prefix: a shared prefix is served exactly by prefix
-  caching, a message repeated at another position is what the KV Collector is for. Requests that
-  carry an `agent_id` join the round too (their session is kept between requests), the rest are
-  served as ordinary requests;
+  pending request they *overlap* with. Two requests overlap when they share a line of a message
+  (same role, same line of content, at least `MIN_SHARED_CHARS` long) outside their common prefix
+  of such lines: lines are the engine's segments (`chat_segments`), a shared prefix is served
+  exactly by prefix caching, and a line repeated at another position is what the KV Collector is
+  for. Requests that carry an `agent_id` join the round too (their session is kept between
+  requests), the rest are served as ordinary requests;
 - whole: a /v1/rounds request is a ready round of its own.
 
 The gatherer is plain data: the engine thread owns it, calls `pop_ready` and runs what it returns.
@@ -25,6 +26,8 @@ from typing import Any
 
 from tokendance.errors import InvalidRequestError
 from tokendance.reuse.segments import common_prefix
+
+MIN_SHARED_CHARS = 32  # shorter shared lines ("OK", separators) are not worth a round (~ a KV block)
 
 
 @dataclass
@@ -43,10 +46,10 @@ class ChatTurn:
     round_id: str | None = None
     round_size: int | None = None
     arrival: float = 0.0
-    contents: list[tuple[str, str]] = field(init=False, repr=False)
+    lines: list[tuple[str, str]] = field(init=False, repr=False)  # (role, line) per line of every message
 
     def __post_init__(self) -> None:
-        self.contents = [(m["role"], m["content"]) for m in self.messages]
+        self.lines = [(m["role"], line) for m in self.messages for line in m["content"].split("\n")]
 
     @property
     def agent_key(self) -> tuple[str, str] | None:
@@ -60,11 +63,12 @@ class ReadyWork:
 
 
 def overlaps(a: ChatTurn, b: ChatTurn) -> bool:
-    """Same namespace and a message in common outside the common message prefix."""
+    """Same namespace and a line (long enough to matter) in common outside their common prefix."""
     if a.namespace != b.namespace:
         return False
-    start = common_prefix(a.contents, b.contents)
-    return not set(a.contents[start:]).isdisjoint(b.contents[start:])
+    start = common_prefix(a.lines, b.lines)
+    common = set(a.lines[start:]).intersection(b.lines[start:])
+    return any(len(line.strip()) >= MIN_SHARED_CHARS for _, line in common)
 
 
 class RoundGatherer:
