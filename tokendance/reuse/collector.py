@@ -226,8 +226,10 @@ class KVCollector:
         # in full; their in-context KV of each span is the base every other agent reuses (closer
         # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
         masters = _choose_masters(agents)
-        for agent in masters:
-            agent.reused_spans = []
+        for agent in masters:  # they compute their shared spans, and still recall their own
+            agent.reused_spans = [i for i in agent.reused_spans if agent.turn.spans[i].key is None]
+            for index in agent.reused_spans:
+                agent.selected[index] = _select_unchecked(rk.selector, agent.turn.spans[index])
             self._build_table(agent)
         report.computed_tokens += rk.recompute(masters, private_positions)
         for agent in masters:
@@ -277,14 +279,18 @@ class KVCollector:
                     if span.key is not None:
                         agent.selected[index] = chosen[span.key]
                     elif index not in agent.selected:  # a recalled span no probe checked
-                        agent.selected[index] = list(range(selector.budget(span.end - span.start)))
+                        agent.selected[index] = _select_unchecked(selector, span)
         checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
         return checked * (rk.check_layer + 1) / rk.num_layers
 
     def _build_table(self, agent: AgentPrefill) -> None:
-        """Mirror: master slots in place for reused tokens, private slots for everything else."""
+        """Mirror: master slots in place for reused tokens of shared spans, private slots for
+        everything else. Recalled spans (the agent's own, from its previous prompt) are copied
+        into private slots, position-corrected: the old blocks they sat in can then be freed,
+        and the agent's private KV stays packed."""
         rk = self.round_kv
         reused = {agent.turn.spans[i].start: i for i in agent.reused_spans}
+        copies: tuple[list[int], list[int], list[int]] = ([], [], [])
         position = agent.num_reused_prefix
         while position < agent.num_prepared:
             index = reused.get(position)
@@ -294,14 +300,28 @@ class KVCollector:
                 position = end
                 continue
             span = agent.turn.spans[index]
-            master = rk.source_slots(agent, index)
-            chosen = set(agent.selected[index])
-            for offset in range(span.end - span.start):
-                if offset in chosen:
-                    rk.private_slots(agent.table_id, 1)
-                else:
-                    rk.kv.append_shared_slots(agent.table_id, [master[offset]])
+            source = rk.source_slots(agent, index)
+            if span.key not in rk.masters:  # recalled
+                copies[0].extend(source)
+                copies[1].extend(rk.private_slots(agent.table_id, len(source)))
+                copies[2].extend(range(span.start, span.end))
+            else:
+                chosen = set(agent.selected[index])
+                for offset in range(span.end - span.start):
+                    if offset in chosen:
+                        rk.private_slots(agent.table_id, 1)
+                    else:
+                        rk.kv.append_shared_slots(agent.table_id, [source[offset]])
             position = span.end
+        if copies[0]:
+            rk.runner.copy_kv(*copies)
+
+
+def _select_unchecked(selector: Selector, span) -> list[int]:
+    """Selection where no check pass ran: the policy's own if it needs none, else the first
+    tokens of the span (what epic recomputes)."""
+    length = span.end - span.start
+    return list(range(selector.budget(length))) if selector.needs_check_pass else selector.select(length, None)
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
@@ -319,32 +339,32 @@ def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
 def _choose_masters(agents: list[AgentPrefill]) -> list[AgentPrefill]:
     """Agents that compute their prompts in full so that their shared spans become masters.
     Greedy: the agent whose not-yet-covered spans save the others the most tokens, as long as
-    that saving exceeds what it gives up (reusing its own shared spans). A span only a few
-    agents hold by chance is not worth a master: its holders compute it themselves."""
+    that saving exceeds what it gives up (reusing the spans earlier masters already cover). A
+    span only a few agents hold by chance is not worth a master: its holders compute it."""
     holders: dict[bytes, int] = {}
-    lengths: dict[bytes, int] = {}
-    shared_tokens: dict[int, int] = {}
+    spans_of: dict[int, dict[bytes, int]] = {}  # agent -> shared span key -> length
     for agent in agents:
-        spans = [agent.turn.spans[i] for i in agent.reused_spans if agent.turn.spans[i].key is not None]
-        shared_tokens[id(agent)] = sum(s.end - s.start for s in spans)
-        for span in {s.key: s for s in spans}.values():
-            holders[span.key] = holders.get(span.key, 0) + 1
-            lengths[span.key] = span.end - span.start
+        spans = {agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start
+                 for i in agent.reused_spans if agent.turn.spans[i].key is not None}
+        spans_of[id(agent)] = spans
+        for key in spans:
+            holders[key] = holders.get(key, 0) + 1
     covered: set[bytes] = set()
     masters: list[AgentPrefill] = []
+
+    def gain(agent: AgentPrefill) -> int:
+        spans = spans_of[id(agent)]
+        saving = sum(length * (holders[key] - 1) for key, length in spans.items() if key not in covered)
+        return saving - sum(length for key, length in spans.items() if key in covered)
+
     candidates = list(agents)
-
-    def saving(agent: AgentPrefill) -> int:
-        keys = {agent.turn.spans[i].key for i in agent.reused_spans} - {None} - covered
-        return sum(lengths[k] * (holders[k] - 1) for k in keys)
-
     while candidates:
-        best = max(candidates, key=saving)
-        if saving(best) <= shared_tokens[id(best)]:
+        best = max(candidates, key=gain)
+        if gain(best) <= 0:
             break
         masters.append(best)
         candidates.remove(best)
-        covered |= {best.turn.spans[i].key for i in best.reused_spans} - {None}
+        covered |= spans_of[id(best)].keys()
     return masters
 
 
