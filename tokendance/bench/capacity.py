@@ -68,6 +68,7 @@ class Trial:
     round_seconds: list[float] = field(default_factory=list)
     preemptions: int = 0
     evictions: int = 0
+    extra_waves: int = 0  # rounds whose prepared KV did not fit at once ran in waves
     history_hit: float = 1.0  # prefix/pic: cached tokens / expected history prefix tokens
     reason: str = ""
 
@@ -86,6 +87,7 @@ def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
             (result,) = simulation.step().values()
             trial.round_seconds.append(result.stats.round_seconds)
             trial.preemptions += sum(o.num_preemptions for o in result.outputs)
+            trial.extra_waves += result.stats.num_waves - 1
         trial.evictions = llm.engine.rounds.num_evictions - evictions_before
         if mode != "tokendance":
             trial.history_hit = history_hit_rate(simulation.traces[mode].results, llm.engine.kv.block_size)
@@ -117,6 +119,8 @@ def judge(trial: Trial, slo_seconds: float) -> tuple[bool, str]:
         return False, f"{trial.preemptions} preemptions"
     if trial.evictions:
         return False, f"{trial.evictions} sessions evicted"
+    if trial.extra_waves:
+        return False, "a round did not fit at once (ran in waves)"
     if trial.history_hit < 0.99:
         return False, f"history prefix hit rate {trial.history_hit:.2f}"
     if max(steady) > slo_seconds:

@@ -23,6 +23,11 @@ def format_rounds(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
 def _num(value, width: int, digits: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
@@ -100,14 +105,15 @@ def plot_fidelity(sweep: list[dict], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for selection in sorted({r["selection"] for r in sweep}):
-        last = max(r["round"] for r in sweep)
-        points = sorted(((r["ratio"], r["fidelity"]) for r in sweep if r["selection"] == selection and r["round"] == last),
-                        key=lambda p: p[0])
-        ratios = [p[0] for p in points]
-        left.plot(ratios, [p[1]["top1_agreement"] for p in points], marker="o", label=selection)
-        right.plot(ratios, [p[1]["mean_kl"] for p in points], marker="o", label=selection)
-    left.set(xlabel="recompute ratio", ylabel="top-1 agreement vs full", ylim=(0, 1.05))
-    right.set(xlabel="recompute ratio", ylabel="KL(full || tokendance)")
+        by_ratio = defaultdict(list)
+        for r in sweep:
+            if r["selection"] == selection:
+                by_ratio[r["ratio"]].append(r["fidelity"])
+        ratios = sorted(by_ratio)
+        left.plot(ratios, [_mean(f["top1_agreement"] for f in by_ratio[x]) for x in ratios], marker="o", label=selection)
+        right.plot(ratios, [_mean(f["mean_kl"] for f in by_ratio[x]) for x in ratios], marker="o", label=selection)
+    left.set(xlabel="recompute ratio", ylabel="top-1 agreement vs full (mean over rounds)", ylim=(0, 1.05))
+    right.set(xlabel="recompute ratio", ylabel="KL(full || tokendance), mean over rounds")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -88,14 +88,15 @@ class CollectiveMode(ReuseMode):
         wanted = {s.content for s in turn.spans if s.start >= common}
         recall = {s.content: slots[s.start:s.end] for s in session.spans
                   if s.content in wanted and common <= s.start and s.end <= len(slots)}
-        if recall:  # only the blocks of segments the new prompt holds again stay for the prefill
+        recall_id = None
+        if recall:  # only the blocks of segments the new prompt holds again stay, until copied
             recall_id = f"recall:{turn.agent_id}"
             kv.create_table(recall_id)
             kv.append_shared_slots(recall_id, [slot for span in recall.values() for slot in span])
             self.strategy.round_kv.held_tables.append(recall_id)
         kv.rename(session.table_id, request.request_id)
         kv.truncate(request.request_id, common)
-        return AgentPrefill(request.request_id, turn, common, recall=recall)
+        return AgentPrefill(request.request_id, turn, common, recall=recall, recall_table=recall_id)
 
     def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
         report = self.strategy.prefill(agents)

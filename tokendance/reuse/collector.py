@@ -45,6 +45,7 @@ class AgentPrefill:
     # Segments of the agent's previous prompt, by content: their slots (held for the prefill),
     # so a segment that moved (retrieved memories, a feed) is reused like a shared span.
     recall: dict[bytes, list[int]] = field(default_factory=dict)
+    recall_table: str | None = None  # the table holding the recalled slots until they are copied
 
     @property
     def token_ids(self) -> list[int]:
@@ -315,6 +316,10 @@ class KVCollector:
             position = span.end
         if copies[0]:
             rk.runner.copy_kv(*copies)
+        if agent.recall_table is not None:  # copied: the old blocks go back to the pool now
+            rk.kv.free(agent.recall_table)
+            rk.held_tables.remove(agent.recall_table)
+            agent.recall_table, agent.recall = None, {}
 
 
 def _select_unchecked(selector: Selector, span) -> list[int]:
