@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tokendance.engine.rounds import RoundResult
+from tokendance.errors import CapacityError
 from tokendance.llm import LLM
 from tokendance.reuse.fidelity import compare
-from tokendance.reuse.segments import AgentTurn
 from tokendance.sampling import SamplingParams
 from tokendance.workloads import Workload
 
@@ -93,14 +93,22 @@ class Simulation:
 
 
 def warm_up(engines: Sequence[LLM]) -> None:
-    """One tiny untimed round per engine: compiles the fused key-rotation kernel, fills caches."""
-    news = {"role": "user", "content": "The bridge is closed today and the market opens at nine."}
-    turns = [AgentTurn(f"warm-up-{i}", [{"role": "system", "content": f"You are agent {i}."}, news,
-                                         {"role": "user", "content": "What now?"}]) for i in range(2)]
+    """Two small untimed rounds per engine, so that every kernel path (prefill and decode over
+    rotated keys, recalled segments) is compiled for general shapes before anything is timed."""
+    from tokendance.workloads import GenerativeAgents
+
+    workload = GenerativeAgents(3, seed=12345)
+    history: list[dict[str, str]] = []
     for llm in engines:
-        llm.run_round(turns, SamplingParams(temperature=0, max_tokens=2))
-        for turn in turns:
-            llm.end_agent(turn.agent_id)
+        try:
+            for r in range(2):
+                llm.run_round(workload.turns(r, history[:r]), SamplingParams(temperature=0, max_tokens=3))
+                if len(history) <= r:
+                    history.append(workload.synthetic_outputs(r))
+        except CapacityError:  # a pool this small is about to be measured failing anyway
+            pass
+        for agent in workload.agents:
+            llm.end_agent(agent)
 
 
 def kv_budget(llm_or_loaded, workload: Workload, rounds: int, dtype: str, headroom: float = 1.3) -> int:
