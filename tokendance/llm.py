@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from tokendance.config import EngineConfig
 from tokendance.engine.llm_engine import LLMEngine
-from tokendance.errors import InvalidRequestError
+from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
 from tokendance.engine.rounds import RoundResult
@@ -73,6 +73,24 @@ class LLM:
         and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order.
         `sampling_params`: one for every turn, or one per turn."""
         return self.engine.rounds.run(turns, sampling_params or SamplingParams())
+
+    def warm_up(self) -> None:
+        """Two small untimed rounds of a three-agent Generative Agents simulation, so every
+        compiled kernel path has seen realistic shapes before anything is timed or served (the
+        first real round would otherwise pay ~4 s of compilation); their sessions are ended."""
+        from tokendance.workloads import GenerativeAgents
+
+        workload = GenerativeAgents(3, seed=12345)
+        try:
+            history = []
+            for r in range(2):
+                self.run_round(workload.turns(r, history), SamplingParams(temperature=0, max_tokens=3))
+                history.append(workload.synthetic_outputs(r))
+        except CapacityError:  # a pool this small cannot hold the warm-up; nothing to warm then
+            pass
+        finally:
+            for agent in workload.agents:
+                self.end_agent(agent)
 
     def end_agent(self, agent_id: str) -> bool:
         """Drop an agent's session (its KV); False if it had none."""

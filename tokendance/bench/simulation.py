@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tokendance.engine.rounds import RoundResult
-from tokendance.errors import CapacityError
 from tokendance.llm import LLM
 from tokendance.reuse.fidelity import compare
 from tokendance.sampling import SamplingParams
@@ -93,22 +92,8 @@ class Simulation:
 
 
 def warm_up(engines: Sequence[LLM]) -> None:
-    """Two small untimed rounds per engine, so that every kernel path (prefill and decode over
-    rotated keys, recalled segments) is compiled for general shapes before anything is timed."""
-    from tokendance.workloads import GenerativeAgents
-
-    workload = GenerativeAgents(3, seed=12345)
-    history: list[dict[str, str]] = []
     for llm in engines:
-        try:
-            for r in range(2):
-                llm.run_round(workload.turns(r, history[:r]), SamplingParams(temperature=0, max_tokens=3))
-                if len(history) <= r:
-                    history.append(workload.synthetic_outputs(r))
-        except CapacityError:  # a pool this small is about to be measured failing anyway
-            pass
-        for agent in workload.agents:
-            llm.end_agent(agent)
+        llm.warm_up()
 
 
 def kv_budget(llm_or_loaded, workload: Workload, rounds: int, dtype: str, headroom: float = 1.3) -> int:

@@ -55,6 +55,7 @@ def run_server(args: argparse.Namespace) -> int:
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm = LLM(args.model, dtype=args.dtype, reuse=args.reuse, kv_cache_bytes=args.kv_cache_bytes,
               max_num_seqs=args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None})
+    llm.warm_up()  # compile the kernels now, not on the first clients' round
     config = ServerConfig(
         model_name=args.served_model_name or llm.engine.model_name,
         api_key=args.api_key or None,
