@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tokendance.engine.request import Request
 from tokendance.errors import CapacityError, InvalidRequestError
-from tokendance.reuse.collector import AgentPrefill, KVCollector, PerRequestReuse, PrefillReport, RoundKV
+from tokendance.reuse.collector import AgentPrefill, KVCollector, PrefillReport, RoundKV
+from tokendance.reuse.per_request import PerRequestReuse
 from tokendance.reuse.segments import TokenizedTurn, common_prefix
 
 REUSE_MODES = ("full", "prefix", "pic", "tokendance")

@@ -1,0 +1,62 @@
+"""Per-request position-independent reuse (`pic`, the CacheBlend baseline): the shared-span
+machinery of `collector.RoundKV` applied one agent at a time."""
+
+from __future__ import annotations
+
+import time
+
+from tokendance.reuse.collector import (
+    AgentPrefill,
+    PrefillReport,
+    RoundKV,
+    count_reuse,
+    private_positions,
+)
+
+
+class PerRequestReuse:
+    """Per-request position-independent reuse (`pic`, CacheBlend-style): each agent separately
+    copies every shared span's base KV into its own blocks at its own positions, runs its own
+    check pass and recomputes its own selection. Base KV is computed once and kept for the round
+    (the role of a chunk store)."""
+
+    def __init__(self, round_kv: RoundKV):
+        self.round_kv = round_kv
+
+    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+        report = PrefillReport()
+        for agent in agents:
+            self._prefill_one(agent, report)
+        count_reuse(agents, report)
+        return report
+
+    def _prefill_one(self, agent: AgentPrefill, report: PrefillReport) -> None:
+        """Spans seen before are reused; the first agent holding a span computes it in full and
+        its KV becomes the span's base (as a KV store fills from the requests it serves)."""
+        rk = self.round_kv
+        started = time.perf_counter()
+        agent.reused_spans = [i for i in agent.spans_to_reuse() if agent.turn.spans[i].key in rk.masters]
+        slots = rk.kv.get_slots(agent.table_id)
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            rk.runner.copy_kv(rk.master_slots(span.key), slots[span.start:span.end], list(range(span.start, span.end)))
+        report.lookup_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        selector = rk.selector
+        if selector.needs_check_pass and agent.reused_spans:
+            (keys,) = rk.check_keys([agent])
+            report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            deviation = None
+            if selector.needs_check_pass:
+                rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
+                deviation = rk.deviation(keys[rows], slots[span.start:span.end], range(span.start, span.end))
+            agent.selected[index] = selector.select(span.end - span.start, deviation)
+        report.selection_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        report.computed_tokens += rk.recompute([agent], private_positions)
+        rk.register_masters(agent)
+        report.recompute_seconds += time.perf_counter() - started
