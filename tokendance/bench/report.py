@@ -23,6 +23,18 @@ def format_rounds(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_sweep(rows: list[dict]) -> str:
+    lines = [f"{'selection':<17}{'ratio':>6}{'rd':>3}{'TTFT s':>8}{'vs full':>8}{'shared x':>9}{'diff blk':>9}"
+             f"{'top1':>6}{'KL':>7}{'same':>6}"]
+    for r in rows:
+        f = r["fidelity"]
+        lines.append(
+            f"{r['selection']:<17}{r['ratio']:>6.2f}{r['round']:>3}{r['prefill_seconds']:>8.2f}"
+            f"{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}"
+            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+    return "\n".join(lines)
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)

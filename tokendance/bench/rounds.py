@@ -50,7 +50,7 @@ def run_rounds(args) -> int:
         if sweep_runs:
             results["sweep"] = sweep(loaded, args, bar)
             save()
-            bar.write("\n" + format_sweep(results["sweep"]))
+            bar.write("\n" + report.format_sweep(results["sweep"]))
     if args.plots:
         plots = Path(args.plots)
         report.plot_scaling(rows, plots / f"{args.workload}-scaling.png")
@@ -111,15 +111,3 @@ def sweep(loaded, args, bar) -> list[dict]:
                          "diff_blocks": s.diff_blocks, "fidelity": asdict(compare(reference[r].outputs, result.outputs))})
     release(engines)
     return rows
-
-
-def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'selection':<17}{'ratio':>6}{'rd':>3}{'TTFT s':>8}{'vs full':>8}{'shared x':>9}{'diff blk':>9}"
-             f"{'top1':>6}{'KL':>7}{'same':>6}"]
-    for r in rows:
-        f = r["fidelity"]
-        lines.append(
-            f"{r['selection']:<17}{r['ratio']:>6.2f}{r['round']:>3}{r['prefill_seconds']:>8.2f}"
-            f"{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}"
-            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
-    return "\n".join(lines)

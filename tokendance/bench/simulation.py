@@ -52,13 +52,13 @@ class Simulation:
     def step(self, on_mode: Callable[[str], None] | None = None) -> dict[str, RoundResult]:
         r = self.round_index
         params = round_params(self.workload, r, self.closed_loop, self.max_tokens)
+        fixed_turns = None if self.closed_loop else self.workload.turns(r, [self.workload.synthetic_outputs(i) for i in range(r)])
         results = {}
         for mode, llm in self.engines.items():
             if on_mode:
                 on_mode(mode)
             trace = self.traces[mode]
-            history = trace.history if self.closed_loop else [self.workload.synthetic_outputs(i) for i in range(r)]
-            result = llm.run_round(self.workload.turns(r, history), params)
+            result = llm.run_round(fixed_turns or self.workload.turns(r, trace.history), params)
             trace.results.append(result)
             trace.history.append({a: (o.text.strip() or SILENT) for a, o in zip(self.workload.agents, result.outputs)})
             results[mode] = result
@@ -96,7 +96,7 @@ def warm_up(engines: Sequence[LLM]) -> None:
         llm.warm_up()
 
 
-def kv_budget(llm_or_loaded, workload: Workload, rounds: int, dtype: str, headroom: float = 1.3) -> int:
+def kv_budget(loaded, workload: Workload, rounds: int, dtype: str, headroom: float = 1.3) -> int:
     """Bytes for every agent's last-round prompt and output held privately, with headroom: what
     the no-sharing modes need so that the comparison is not about eviction."""
     import torch
@@ -104,7 +104,7 @@ def kv_budget(llm_or_loaded, workload: Workload, rounds: int, dtype: str, headro
     from tokendance.model.llama import KVCacheTensors
     from tokendance.reuse.segments import tokenize_round
 
-    tokenizer, config = llm_or_loaded.tokenizer, llm_or_loaded.config
+    tokenizer, config = loaded.tokenizer, loaded.config
     history = [workload.synthetic_outputs(i) for i in range(rounds - 1)]
     turns = tokenize_round(tokenizer, workload.turns(rounds - 1, history))
     tokens = sum(len(t.token_ids) + workload.output_tokens(t.agent_id, rounds - 1) + 16 for t in turns)

@@ -231,7 +231,8 @@ class KVCollector:
         for agent in masters:  # they compute their shared spans, and still recall their own
             agent.reused_spans = [i for i in agent.reused_spans if agent.turn.spans[i].key is None]
             for index in agent.reused_spans:
-                agent.selected[index] = _select_unchecked(rk.selector, agent.turn.spans[index])
+                span = agent.turn.spans[index]
+                agent.selected[index] = rk.selector.select(span.end - span.start, None)
             self._build_table(agent)
         report.computed_tokens += rk.recompute(masters, private_positions)
         for agent in masters:
@@ -281,7 +282,7 @@ class KVCollector:
                     if span.key is not None:
                         agent.selected[index] = chosen[span.key]
                     elif index not in agent.selected:  # a recalled span no probe checked
-                        agent.selected[index] = _select_unchecked(selector, span)
+                        agent.selected[index] = selector.select(span.end - span.start, None)
         checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
         return checked * (rk.check_layer + 1) / rk.num_layers
 
@@ -321,13 +322,6 @@ class KVCollector:
             rk.kv.free(agent.recall_table)
             rk.held_tables.remove(agent.recall_table)
             agent.recall_table, agent.recall = None, {}
-
-
-def _select_unchecked(selector: Selector, span) -> list[int]:
-    """Selection where no check pass ran: the policy's own if it needs none, else the first
-    tokens of the span (what epic recomputes)."""
-    length = span.end - span.start
-    return list(range(selector.budget(length))) if selector.needs_check_pass else selector.select(length, None)
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:

@@ -26,7 +26,12 @@ class Selector:
         return min(length, math.ceil(self.ratio * length - 1e-9))
 
     def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
+        """Offsets to recompute in a reused span of `length` tokens. `deviation` is None where no
+        check pass ran: every policy then recomputes the span's first tokens (as EPIC does)."""
         raise NotImplementedError
+
+    def first_tokens(self, length: int) -> list[int]:
+        return list(range(self.budget(length)))
 
 
 class CacheBlendSelector(Selector):
@@ -36,8 +41,8 @@ class CacheBlendSelector(Selector):
 
     def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
         k = self.budget(length)
-        if k == 0:
-            return []
+        if k == 0 or deviation is None:
+            return self.first_tokens(length)
         return sorted(torch.topk(deviation, k).indices.tolist())
 
 
@@ -53,8 +58,8 @@ class BlockAwareSelector(Selector):
 
     def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
         k = self.budget(length)
-        if k == 0:
-            return []
+        if k == 0 or deviation is None:
+            return self.first_tokens(length)
         groups = [(start, min(start + self.group, length)) for start in range(0, length, self.group)]
         scores = torch.stack([deviation[a:b].sum() for a, b in groups])
         chosen: list[int] = []
@@ -71,7 +76,7 @@ class EpicSelector(Selector):
     span is encoded on its own. k = ceil(ratio * span length). No check pass."""
 
     def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
-        return list(range(self.budget(length)))
+        return self.first_tokens(length)
 
 
 SELECTORS = {"cacheblend": CacheBlendSelector, "cacheblend-block": BlockAwareSelector, "epic": EpicSelector}
