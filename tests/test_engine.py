@@ -42,7 +42,7 @@ def test_prefix_caching_on_and_off_give_identical_outputs(make_llm):
 
 def test_cached_token_counts_follow_block_arithmetic(make_llm):
     block_size = 16
-    llm = make_llm(dtype="bfloat16", block_size=block_size)
+    llm = make_llm(block_size=block_size)
     tokenizer = llm.tokenizer
     prompts = [tokenizer.encode(llm.render_chat(c)) for c in conversations()]
     (first,) = llm.generate(prompts[0], GREEDY)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import CHAT_QUESTIONS
 from tokendance import LLM, SamplingParams
+from tokendance.model.platform import probe_cpu
 
 # fp32 logits of two independent implementations differ by summation order only; measured max
 # |diff| ~1e-4 on logits of magnitude ~40.
@@ -66,8 +68,9 @@ def test_batched_greedy_generation_is_token_identical(llm_fp32, hf_model):
         assert output.num_generated_tokens >= 8
 
 
+@pytest.mark.skipif(not probe_cpu().native_bf16, reason="packed bf16: this CPU has no native bf16 (AVX512-BF16/AMX)")
 def test_bf16_stays_close_to_the_fp32_reference(make_llm, hf_model):
-    """bf16 (the default dtype) changes the next-token distribution by a KL of ~1e-3; its greedy
+    """bf16 (the auto dtype on CPUs with native bf16) changes the next-token distribution by a KL of ~1e-3; its greedy
     choice may differ from fp32 only where the reference itself is a near-tie."""
     llm = make_llm(dtype="bfloat16")
     prompts = [llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": q}])) for q in CHAT_QUESTIONS]

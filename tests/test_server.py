@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from tokendance.model.platform import probe_cpu
 from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
 from tokendance.server.metrics import parse
 
@@ -155,9 +156,13 @@ def long_chat(model: str) -> dict:
 
 
 def test_health_models_and_metrics(server):
-    assert json.loads(server.request("GET", "/health")[2]) == {"status": "ok"}
+    cpu = probe_cpu()
+    machine = {"dtype": "bfloat16" if cpu.native_bf16 else "float32", "cpu_capability": cpu.capability,
+               "native_bf16": cpu.native_bf16}
+    assert json.loads(server.request("GET", "/health")[2]) == {"status": "ok", **machine}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model]
+    assert {k: models.data[0].model_extra[k] for k in machine} == machine
     assert server.client().models.retrieve(server.model).id == server.model
     metrics = server.metrics()
     assert metrics["tokendance_kv_blocks_total"] == metrics["tokendance_kv_blocks_used"] + metrics["tokendance_kv_blocks_free"]

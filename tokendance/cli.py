@@ -20,10 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rounds", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     for p in (gen, chat):
         p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
         p.add_argument("--max-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--top-p", type=float, default=1.0)

@@ -28,13 +28,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs. `dtype` is "bfloat16" by default: measured 2-6x faster matmuls than float32 on
-    CPUs with AVX-512 BF16/AMX (benchmarks/throughput.py), with top-1 agreement kept (tests)."""
+    """Engine knobs. `dtype="auto"` is bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX:
+    2-6x faster matmuls than float32, top-1 agreement kept), else float32 (model/platform.py).
+    `kv_cache_bytes="auto"` is a quarter of the memory available at start, capped at 4 GiB."""
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
-    kv_cache_bytes: int = 512 * 2**20
+    kv_cache_bytes: int | str = "auto"
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -49,11 +50,13 @@ class EngineConfig:
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise InvalidRequestError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise InvalidRequestError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_bytes <= 0:
-            raise InvalidRequestError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.kv_cache_bytes != "auto" and (
+            not isinstance(self.kv_cache_bytes, int) or isinstance(self.kv_cache_bytes, bool) or self.kv_cache_bytes <= 0
+        ):
+            raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")

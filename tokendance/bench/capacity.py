@@ -23,6 +23,7 @@ from tokendance.bench.simulation import Simulation, warm_up
 from tokendance.errors import CapacityError
 from tokendance.llm import LLM
 from tokendance.model.loader import load_model
+from tokendance.model.platform import describe_machine, dtype_name
 from tokendance.reuse.segments import common_prefix
 from tokendance.workloads import make_workload
 
@@ -133,7 +134,8 @@ def run_capacity(args) -> int:
     modes = args.modes or CAPACITY_MODES
     out = Path(args.out or "benchmarks/results/capacity.json")
     started = time.perf_counter()
-    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "modes": {}}
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},
+                     "machine": describe_machine(dtype_name(args.dtype)), "modes": {}}
     with tqdm(desc="capacity", unit="trial") as bar:
         for mode in modes:
             trials: list[Trial] = []
@@ -152,7 +154,8 @@ def run_capacity(args) -> int:
             results["seconds"] = time.perf_counter() - started
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=2))
-    print(format_capacity(results["modes"], args))
+    print(format_capacity(results["modes"], args) + f"\n  ({results['machine']['dtype']}, "
+          f"CPU {results['machine']['cpu_capability']})")
     print(f"results in {out}")
     return 0
 

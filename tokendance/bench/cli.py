@@ -30,7 +30,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="order of the shared blocks in each prompt (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default model if omitted)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on every agent's output length")
     parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of pic and tokendance")
     parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"])

@@ -22,7 +22,8 @@ def run_demo(args) -> int:
     budget = kv_budget(loaded, workload, args.rounds, args.dtype)
     engines = {mode: LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=budget)
                for mode in ("full", "prefix", "tokendance")}
-    print(f"model {loaded.name} ({args.dtype}), loaded in {time.perf_counter() - started:.1f}s; "
+    engine = engines["full"].engine
+    print(f"model {loaded.name} ({engine.dtype}, CPU {engine.cpu.describe()}), loaded in {time.perf_counter() - started:.1f}s; "
           f"closed-loop generative-agents: {args.agents} agents x {args.rounds} rounds")
     warm_up(list(engines.values()))
     simulation = Simulation(workload, engines, closed_loop=True)

@@ -16,6 +16,7 @@ from tokendance.bench.cli import MODES
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.llm import LLM
 from tokendance.model.loader import load_model
+from tokendance.model.platform import describe_machine, dtype_name
 from tokendance.reuse.fidelity import compare
 from tokendance.workloads import make_workload
 
@@ -30,7 +31,8 @@ def run_rounds(args) -> int:
     agent_counts = default_agents(args)
     sweep_runs = len(args.sweep_ratios) * len(args.sweep_selections) + 1 if args.sweep_ratios else 0
     out = Path(args.out or "benchmarks/results/bench.json")
-    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},
+                     "machine": describe_machine(dtype_name(args.dtype))}
     started = time.perf_counter()
 
     def save() -> None:
@@ -46,6 +48,8 @@ def run_rounds(args) -> int:
             rows += simulate(workload, engines, args, bar, label=f"N={n}")
             results["rounds"] = rows
             save()
+        machine = results["machine"]
+        bar.write(f"\n{machine['dtype']}, CPU {machine['cpu_capability']}")
         bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
         if sweep_runs:
             results["sweep"] = sweep(loaded, args, bar)

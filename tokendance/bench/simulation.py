@@ -102,11 +102,12 @@ def kv_budget(loaded, workload: Workload, rounds: int, dtype: str, headroom: flo
     import torch
 
     from tokendance.model.llama import KVCacheTensors
+    from tokendance.model.platform import dtype_name
     from tokendance.reuse.segments import tokenize_round
 
     tokenizer, config = loaded.tokenizer, loaded.config
     history = [workload.synthetic_outputs(i) for i in range(rounds - 1)]
     turns = tokenize_round(tokenizer, workload.turns(rounds - 1, history))
     tokens = sum(len(t.token_ids) + workload.output_tokens(t.agent_id, rounds - 1) + 16 for t in turns)
-    per_token = KVCacheTensors.bytes_per_slot(config, getattr(torch, dtype))
+    per_token = KVCacheTensors.bytes_per_slot(config, getattr(torch, dtype_name(dtype)))
     return int(headroom * tokens * per_token) + 64 * 2**20

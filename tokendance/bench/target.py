@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from tokendance.bench.simulation import SILENT
 from tokendance.errors import InvalidRequestError
+from tokendance.model.platform import probe_cpu
 from tokendance.workloads import make_workload
 
 
@@ -42,9 +43,13 @@ class Client:
             "Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"})
         return urllib.request.urlopen(request, timeout=self.timeout)
 
-    def _first_model(self) -> str:
+    def model_cards(self) -> list[dict]:
+        """/v1/models; TokenDance's cards also say the dtype and CPU capability it runs with."""
         with self._request("/models") as response:
-            models = json.load(response)["data"]
+            return json.load(response)["data"]
+
+    def _first_model(self) -> str:
+        models = self.model_cards()
         if not models:
             raise InvalidRequestError(f"{self.base_url} serves no model")
         return models[0]["id"]
@@ -88,7 +93,11 @@ def run_target(args) -> int:
     print(format_target(rows, client))
     out = Path(args.out or "benchmarks/results/target.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"target": args.target, "model": client.model, "rounds": rows}, indent=2))
+    card = next((c for c in client.model_cards() if c["id"] == client.model), {})
+    served = {"dtype": card.get("dtype"), "cpu_capability": card.get("cpu_capability") or probe_cpu().capability}
+    print(f"(server dtype {served['dtype'] or 'not reported'}, CPU {served['cpu_capability']})")
+    out.write_text(json.dumps({"target": args.target, "model": client.model, "machine": served, "rounds": rows},
+                              indent=2))
     print(f"results in {out}")
     return 0
 

@@ -6,6 +6,7 @@ Results re-enter the engine in one place, `step`, and only the scheduler changes
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -21,10 +22,11 @@ from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestE
 from tokendance.kv.manager import KVCacheManager
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
+from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
 from tokendance.outputs import RequestOutput
 from tokendance.sampling import SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+logger = logging.getLogger("tokendance")
 
 
 class LLMEngine:
@@ -40,14 +42,21 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
-        dtype = DTYPES[config.dtype]
-        model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens)
+        self.cpu = probe_cpu()
+        dtype = resolve_dtype(config.dtype, self.cpu, config.device)
+        self.dtype = str(dtype).removeprefix("torch.")
+        model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens,
+                           packed_bf16=self.cpu.packed_bf16)
         self.bytes_per_block = KVCacheTensors.bytes_per_slot(loaded.config, dtype) * config.block_size
-        num_blocks = config.kv_cache_bytes // self.bytes_per_block
+        self.kv_cache_bytes = auto_kv_cache_bytes() if config.kv_cache_bytes == "auto" else config.kv_cache_bytes
+        num_blocks = self.kv_cache_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise InvalidRequestError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {self.bytes_per_block} bytes"
+                f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {self.bytes_per_block} bytes"
             )
+        logger.info("%s: dtype %s (asked %s), CPU %s; KV pool %d MiB = %d blocks of %d tokens%s",
+                    loaded.name, self.dtype, config.dtype, self.cpu.describe(), self.kv_cache_bytes >> 20,
+                    num_blocks, config.block_size, " (auto)" if config.kv_cache_bytes == "auto" else "")
         kv_tensors = KVCacheTensors.allocate(loaded.config, num_blocks * config.block_size, dtype, config.device)
         prefix_caching = config.enable_prefix_caching and config.reuse != "full"
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)

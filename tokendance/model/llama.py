@@ -70,12 +70,18 @@ class KVCacheTensors:
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_slots: int, dtype, device) -> "KVCacheTensors":
+        """Uninitialized but for slot 0: a slot is read only after it is written, except slot 0,
+        which pads decode batches (masked, but NaN garbage would survive the mask). Zeroing a
+        4 GiB pool measured 6 s and would make all of it resident up front."""
         shape = (num_slots, config.num_kv_heads, config.head_dim)
-        return cls(
-            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
-            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+        cache = cls(
+            keys=[torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+            values=[torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
             positions=torch.zeros(num_slots, dtype=torch.int64, device=device),
         )
+        for tensor in (*cache.keys, *cache.values):
+            tensor[0].zero_()
+        return cache
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -97,12 +103,19 @@ class LlamaModel:
     """Weights plus a functional forward; holds no per-request state."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device, max_batch_tokens: int = 2048
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype,
+        device,
+        max_batch_tokens: int = 2048,
+        packed_bf16: bool = False,
     ):
+        """`packed_bf16`: the CPU runs oneDNN's packed bf16 weights (see model/platform.py)."""
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens)
+        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, packed_bf16)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -223,9 +236,9 @@ class PackedBF16Linear:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def choose_linear_kernel(dtype, device, max_batch_tokens: int):
+def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool):
     on_cpu = torch.device(device).type == "cpu"
-    if on_cpu and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if on_cpu and dtype == torch.bfloat16 and packed_bf16:
         return PackedBF16Linear(max_batch_tokens)
     return DenseLinear()
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from tokendance.errors import TokenDanceError
+from tokendance.model.platform import describe_machine
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import chat_segments
 from tokendance.server.config import ServerConfig
@@ -95,7 +96,7 @@ class Api:
     async def health(self):
         if not self.loop.is_alive:
             return JSONResponse({"status": "engine stopped", "error": str(self.loop.error)}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", **self._machine()}
 
     async def metrics_text(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -179,7 +180,10 @@ class Api:
 
     def _model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": self.created,
-                "owned_by": "tokendance", "max_model_len": self.engine.max_model_len}
+                "owned_by": "tokendance", "max_model_len": self.engine.max_model_len, **self._machine()}
+
+    def _machine(self) -> dict:
+        return describe_machine(self.engine.dtype, self.engine.cpu)
 
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:

@@ -12,6 +12,8 @@ SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 def parse_bytes(text: str) -> int:
     """'1048576', '512M', '512MiB', '2G' -> bytes (binary units)."""
+    if text.strip().lower() == "auto":
+        return "auto"
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2G)")
@@ -26,8 +28,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, default=8000)
     add("--reuse", default="tokendance", choices=["full", "prefix", "pic", "tokendance"],
         help="how rounds reuse shared messages (default: tokendance)")
-    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    add("--kv-cache-bytes", type=parse_bytes, default=512 * 2**20, help="KV pool budget, e.g. 512M (default)")
+    add("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    add("--kv-cache-bytes", type=parse_bytes, default="auto",
+        help="KV pool budget, e.g. 512M or 2G (default auto: a quarter of the available memory, at most 4G)")
     add("--max-model-len", type=int, default=None)
     add("--max-num-seqs", type=int, default=64, help="requests the scheduler runs at once")
     add("--num-threads", type=int, default=None)
@@ -45,12 +48,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    import socket
+    import sys
+
     import uvicorn
 
     from tokendance import LLM
     from tokendance.server.app import create_app
     from tokendance.server.config import ServerConfig
 
+    # Bind first: a busy port fails in a second with one line, not after loading the model.
+    try:
+        sock = socket.create_server((args.host, args.port), backlog=2048)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        print(f"error: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 1
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm = LLM(args.model, dtype=args.dtype, reuse=args.reuse, kv_cache_bytes=args.kv_cache_bytes,
@@ -65,6 +78,9 @@ def run_server(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     app = create_app(llm, config)
-    print(f"serving {config.model_name} (reuse={args.reuse}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    engine = llm.engine
+    print(f"serving {config.model_name} (reuse={args.reuse}, dtype {engine.dtype}, CPU {engine.cpu.describe()}, "
+          f"KV pool {engine.kv_cache_bytes >> 20} MiB) on http://{args.host}:{args.port}/v1", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
