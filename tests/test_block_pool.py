@@ -18,8 +18,9 @@ def check_invariants(pool: BlockPool) -> None:
     assert not held & free, "a block is both free and held"
     assert len(held) + len(free) == pool.num_blocks
     assert pool.num_free + pool.num_used == pool.num_blocks
-    for block_hash, block_id in pool._cached.items():
-        assert pool.block_hashes[block_id] == block_hash
+    for block_id, block_hash in enumerate(pool.block_hashes):  # every hash recorded is findable
+        if block_hash is not None:
+            assert pool.find_cached(block_hash) == block_id
 
 
 def test_free_queue_order_is_eviction_order():
@@ -90,7 +91,7 @@ def test_allocation_failure_changes_nothing():
     assert kv.allocate_slots("b", 9, 0) is None
     assert not kv.can_allocate("b", 9, 0)
     assert (list(kv.pool.ref_counts), kv.pool.num_free) == before
-    assert "b" not in kv.requests
+    assert not kv.has("b")
 
 
 operations = st.lists(
@@ -127,9 +128,9 @@ def test_random_operations_keep_pool_invariants(ops, num_blocks, block_size):
             kv.free(request_id)
             del tokens[request_id]
         check_invariants(kv.pool)
-        for rid, held in kv.requests.items():
+        for rid, held in kv.tables.items():
             assert len(kv.get_slots(rid)) + len(held.spare) == len(held.block_ids) * block_size
-    held_total = sum(len(r.block_ids) for r in kv.requests.values())
+    held_total = sum(len(r.block_ids) for r in kv.tables.values())
     assert sum(kv.pool.ref_counts) == held_total  # ref_count == number of holders
     for request_id in list(tokens):
         kv.free(request_id)
@@ -169,11 +170,11 @@ def test_tables_sharing_slots_keep_pool_invariants(ops, num_blocks, block_size):
         elif op == "free":
             kv.free(table)
         check_invariants(kv.pool)
-        holders = [b for r in kv.requests.values() for b in r.block_ids]
+        holders = [b for r in kv.tables.values() for b in r.block_ids]
         assert sorted(holders) == sorted(b for b in range(num_blocks) for _ in range(kv.pool.ref_counts[b]))
-        for rid, held in kv.requests.items():
+        for rid, held in kv.tables.items():
             assert len(set(held.block_ids)) == len(held.block_ids)  # one reference per table
             assert {s // block_size for s in kv.get_slots(rid)} <= set(held.block_ids)
-    for table in list(kv.requests):
+    for table in list(kv.tables):
         kv.free(table)
     assert kv.pool.num_free == num_blocks

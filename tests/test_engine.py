@@ -73,7 +73,7 @@ def test_exactly_cached_prompt_uses_copy_on_write(make_llm):
         assert output.token_ids == first.token_ids
         # the copied block carries its keys' positions too, else they would be rotated when read
         assert (output.logits[0] - first.logits[0]).abs().max().item() < 1e-3
-    assert llm.engine.kv.pool.num_used == 0
+    assert llm.engine.stats().num_used_blocks == 0
 
 
 def test_small_pool_preempts_and_still_matches_a_large_pool(make_llm, loaded_model):
@@ -87,7 +87,7 @@ def test_small_pool_preempts_and_still_matches_a_large_pool(make_llm, loaded_mod
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.finish_reason == "length" and o.num_generated_tokens == 48 for o in got)
     assert sum(o.num_preemptions for o in got) > 0
-    assert small.engine.kv.pool.num_used == 0 and not small.engine.has_unfinished
+    assert small.engine.stats().num_used_blocks == 0 and not small.engine.has_unfinished
 
 
 def test_request_that_can_never_fit_is_rejected(make_llm, loaded_model):
@@ -168,7 +168,7 @@ def test_bad_prompts_are_rejected_and_nothing_is_lost(llm_fp32):
         llm_fp32.generate([[5, 10**9]], GREEDY)
     with pytest.raises(InvalidRequestError, match="role"):
         llm_fp32.chat([{"role": "user"}], GREEDY)
-    assert not engine.has_unfinished and engine.kv.pool.num_used == 0
+    assert not engine.has_unfinished and engine.stats().num_used_blocks == 0
     (ok,) = llm_fp32.generate("The sky is", GREEDY)
     assert ok.num_generated_tokens > 0
 

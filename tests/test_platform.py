@@ -79,7 +79,7 @@ def test_auto_kv_pool_is_a_capped_share_of_available_memory(make_llm):
     assert auto_kv_cache_bytes(available=100 * 2**20) == 64 * 2**20
     engine = make_llm().engine
     assert 64 * 2**20 <= engine.kv_cache_bytes <= 4 * GiB
-    assert engine.kv.pool.num_blocks == engine.kv_cache_bytes // engine.bytes_per_block
+    assert engine.stats().num_blocks == engine.kv_cache_bytes // engine.bytes_per_block
 
 
 @pytest.mark.parametrize("bad", [{"dtype": "float16"}, {"kv_cache_bytes": "lots"}, {"kv_cache_bytes": 0},

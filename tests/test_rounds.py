@@ -15,6 +15,7 @@ from tokendance import (
     InvalidRequestError,
     SamplingParams,
 )
+from tokendance.kv.manager import RecallKey, SessionKey
 from tokendance.reuse.fidelity import compare
 
 AGENTS = ["ada", "bo", "cy", "di"]
@@ -86,8 +87,7 @@ def test_diff_blocks_are_the_selected_tokens_footprint(make_llm, selection):
     result = llm.run_round(round_turns(1), PARAMS)
     kv, block_size = llm.engine.kv, llm.engine.kv.block_size
     for agent_stats in result.stats.agents:
-        session = llm.engine.rounds.sessions[agent_stats.agent_id]
-        slots = kv.get_slots(session.table_id)
+        slots = kv.get_slots(SessionKey(agent_stats.agent_id))
         turn = next(t for t in round_turns(1) if t.agent_id == agent_stats.agent_id)
         spans = _shared_spans(llm, turn.agent_id)
         private = {kv.block_of(s) for s in slots if kv.pool.ref_counts[kv.block_of(s)] == 1}
@@ -165,7 +165,7 @@ def test_sessions_recall_segments_that_moved(make_llm, ratio):
         assert [o.token_ids for o in second.outputs] == [o.token_ids for o in expected.outputs]
         for ours, ref in zip(second.outputs, expected.outputs):
             assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
-    assert not any(table.startswith("recall:") for table in llm.engine.kv.requests)  # released after the prefill
+    assert not any(isinstance(table, RecallKey) for table in llm.engine.kv.tables)  # released after the prefill
 
 
 def test_ending_or_evicting_an_agent_leaves_the_others_unchanged(make_llm):
@@ -186,14 +186,14 @@ def test_ending_or_evicting_an_agent_leaves_the_others_unchanged(make_llm):
     kv.append_private_slots("ballast", (kv.pool.num_free - needed + 1) * kv.block_size)
     got_ended = ended.run_round(turns, PARAMS)
     got_evicted = evicted.run_round(turns, PARAMS)
-    assert evicted.engine.rounds.num_evictions >= 1 and "ada" not in evicted.engine.rounds.sessions
+    assert evicted.engine.stats().num_evictions >= 1 and "ada" not in evicted.rounds.sessions()
     for outputs in (got_ended.outputs, got_evicted.outputs):
         assert [o.token_ids for o in outputs] == [o.token_ids for o in want.outputs]
     kv.free("ballast")
     for llm in (kept, ended, evicted):
         for agent in AGENTS:
             llm.end_agent(agent)
-        assert llm.engine.kv.pool.num_used == 0  # no leak
+        assert llm.engine.stats().num_used_blocks == 0  # no leak
 
 
 def test_namespaces_never_share_blocks(make_llm):
@@ -201,9 +201,9 @@ def test_namespaces_never_share_blocks(make_llm):
     # both tenants' agents see the very same shared messages
     turns = round_turns(1, ["ada", "bo"], namespace="tenant-a") + round_turns(1, ["cy", "di"], namespace="tenant-b")
     result = llm.run_round(turns, PARAMS)
-    kv, sessions = llm.engine.kv, llm.engine.rounds.sessions
-    blocks_a = kv.held_blocks([sessions[a].table_id for a in ("ada", "bo")])
-    blocks_b = kv.held_blocks([sessions[a].table_id for a in ("cy", "di")])
+    kv = llm.engine.kv
+    blocks_a = kv.held_blocks([SessionKey(a) for a in ("ada", "bo")])
+    blocks_b = kv.held_blocks([SessionKey(a) for a in ("cy", "di")])
     assert not blocks_a & blocks_b
     assert result.stats.reused_tokens > 0  # sharing still happens inside each namespace
 
@@ -219,7 +219,7 @@ def test_bad_rounds_are_rejected_and_nothing_leaks(make_llm):
         llm.run_round([round_turns(1, ["ada"])[0], too_long], PARAMS)
     with pytest.raises(InvalidRequestError, match="messages or segments"):
         llm.run_round([AgentTurn("cy")], PARAMS)
-    assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished
+    assert llm.engine.stats().num_used_blocks == 0 and not llm.engine.has_unfinished
     result = llm.run_round(round_turns(1), PARAMS)
     assert all(o.num_generated_tokens > 0 for o in result.outputs)
     reference = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2).run_round(round_turns(1), PARAMS)
@@ -235,7 +235,7 @@ def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode):
     llm = make_llm(dtype="float32", reuse=mode, recompute_ratio=1.0, kv_cache_bytes=int(2.6 * longest * bytes_per_token))
     result = llm.run_round(turns, PARAMS)  # four agents' tables cannot be held at once
     assert result.stats.num_waves > 1 and result.stats.num_agents == len(AGENTS)
-    assert [o.request_id.split(":")[1] for o in result.outputs] == AGENTS
+    assert [o.agent_id for o in result.outputs] == AGENTS
     for ours, ref in zip(result.outputs, reference.outputs):
         assert ours.token_ids == ref.token_ids
         assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL

@@ -89,9 +89,15 @@ class Server:
             self.process.wait()
 
 
+def kv_bytes(num_tokens: int) -> str:
+    """A KV pool of `num_tokens` tokens in the dtype the server picks here (bf16 or fp32)."""
+    element = 2 if probe_cpu().native_bf16 else 4
+    return str(num_tokens * 2 * 30 * 3 * 64 * element)  # K and V, 30 layers, 3 KV heads x 64
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--gather-window-ms", "300", "--kv-cache-bytes", "192M", "--max-body-bytes", "1000000")
+    s = Server("--gather-window-ms", "300", "--kv-cache-bytes", kv_bytes(8736), "--max-body-bytes", "1000000")
     yield s
     s.stop()
 
@@ -99,7 +105,7 @@ def server():
 @pytest.fixture(scope="module")
 def guarded():
     s = Server("--api-key", "sesame", "--max-concurrent-requests", "1", "--gather-window-ms", "0",
-               "--kv-cache-bytes", "64M", api_key="sesame")
+               "--kv-cache-bytes", kv_bytes(2912), api_key="sesame")
     yield s
     s.stop()
 
@@ -447,7 +453,7 @@ def test_too_many_concurrent_requests_get_429(guarded):
 
 
 def test_round_larger_than_the_kv_pool_still_answers_every_agent(guarded):
-    """Three ~1,000-token private prompts do not fit the 64 MiB pool together: the engine runs the
+    """Three ~1,000-token private prompts do not fit the 2,912-token pool together: the engine runs the
     round in waves, and every agent's reply still reaches its client."""
     def notes(i: int) -> str:
         rng = random.Random(i)

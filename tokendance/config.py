@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from tokendance.errors import InvalidRequestError
 
+REUSE_MODES = ("full", "prefix", "pic", "tokendance")  # how rounds reuse shared spans
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -52,6 +54,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise InvalidRequestError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.reuse not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {self.reuse!r}")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes != "auto" and (

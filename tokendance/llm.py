@@ -12,7 +12,7 @@ from tokendance.engine.llm_engine import LLMEngine
 from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
-from tokendance.engine.rounds import RoundResult
+from tokendance.engine.rounds import RoundResult, RoundRunner
 from tokendance.reuse.segments import AgentTurn, validate_messages
 from tokendance.sampling import SamplingParams
 
@@ -34,6 +34,7 @@ class LLM:
             self.engine = LLMEngine(EngineConfig(**engine_args), loaded=model)
         else:
             self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.rounds = RoundRunner.for_engine(self.engine)
         self.tokenizer = self.engine.tokenizer
 
     def generate(
@@ -72,7 +73,7 @@ class LLM:
         """Run one round of agent turns together; agents keep their KV between rounds (sessions)
         and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order.
         `sampling_params`: one for every turn, or one per turn."""
-        return self.engine.rounds.run(turns, sampling_params or SamplingParams())
+        return self.rounds.run(turns, sampling_params or SamplingParams())
 
     def warm_up(self) -> None:
         """Two small untimed rounds of a three-agent Generative Agents simulation, so every
@@ -94,7 +95,7 @@ class LLM:
 
     def end_agent(self, agent_id: str) -> bool:
         """Drop an agent's session (its KV); False if it had none."""
-        return self.engine.rounds.end_agent(agent_id)
+        return self.rounds.end_agent(agent_id)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         order = {r.request_id: i for i, r in enumerate(requests)}

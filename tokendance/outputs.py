@@ -14,13 +14,14 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache, a session or shared KV
     num_generated_tokens: int
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
     logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
+    agent_id: str | None = None  # set for the turn of an agent in a round
 
     @property
     def finished(self) -> bool:

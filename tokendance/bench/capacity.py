@@ -80,7 +80,7 @@ def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
     llm = LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=int(args.kv_budget_mb * 2**20),
               recompute_ratio=args.ratio, selection=args.selection)
     warm_up([llm])
-    evictions_before = llm.engine.rounds.num_evictions
+    evictions_before = llm.engine.stats().num_evictions
     trial = Trial(mode, num_agents, fits=False)
     simulation = Simulation(workload, {mode: llm}, closed_loop=False, max_tokens=args.max_tokens)
     try:
@@ -89,9 +89,9 @@ def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
             trial.round_seconds.append(result.stats.round_seconds)
             trial.preemptions += sum(o.num_preemptions for o in result.outputs)
             trial.extra_waves += result.stats.num_waves - 1
-        trial.evictions = llm.engine.rounds.num_evictions - evictions_before
+        trial.evictions = llm.engine.stats().num_evictions - evictions_before
         if mode != "tokendance":
-            trial.history_hit = history_hit_rate(simulation.traces[mode].results, llm.engine.kv.block_size)
+            trial.history_hit = history_hit_rate(simulation.traces[mode].results, llm.engine.stats().block_size)
         trial.fits, trial.reason = judge(trial, args.slo_seconds)
     except CapacityError as exc:
         trial.reason = f"capacity: {exc}"

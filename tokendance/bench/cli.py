@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ["full", "prefix", "pic", "tokendance"]
+from tokendance.config import REUSE_MODES
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, nargs="+", default=None,
                         help="numbers of agents (default: 4 8 16; debate: 3)")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", default=None, choices=MODES,
+    parser.add_argument("--modes", nargs="+", default=None, choices=REUSE_MODES,
                         help="reuse modes (default: all four; capacity: prefix pic tokendance)")
     parser.add_argument("--loop", default="open", choices=["open", "closed"],
                         help="open: fixed synthetic outputs feed the next round; closed: the model's own")

@@ -12,8 +12,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tokendance.bench import report
-from tokendance.bench.cli import MODES
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
+from tokendance.config import REUSE_MODES
 from tokendance.llm import LLM
 from tokendance.model.loader import load_model
 from tokendance.model.platform import describe_machine, dtype_name
@@ -27,7 +27,7 @@ def default_agents(args) -> list[int]:
 
 def run_rounds(args) -> int:
     loaded = load_model(args.model)
-    modes = args.modes or MODES
+    modes = args.modes or list(REUSE_MODES)
     agent_counts = default_agents(args)
     sweep_runs = len(args.sweep_ratios) * len(args.sweep_selections) + 1 if args.sweep_ratios else 0
     out = Path(args.out or "benchmarks/results/bench.json")

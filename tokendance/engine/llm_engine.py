@@ -1,25 +1,26 @@
 """The step loop: add_request -> step (schedule -> run model -> update) -> outputs.
 
-Results re-enter the engine in one place, `step`, and only the scheduler changes request state.
+Results re-enter the engine in one place, `step`, and only the scheduler changes request state;
+the engine keeps each request's output state (incremental text, times, kept logits) beside it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from tokendance.config import EngineConfig
+from tokendance.engine.detokenizer import IncrementalDetokenizer
 from tokendance.engine.request import Request, RequestStatus
-from tokendance.engine.rounds import RoundRunner
-from tokendance.model.runner import ModelRunner
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
-from tokendance.kv.manager import KVCacheManager
+from tokendance.kv.manager import KVCacheManager, SessionKey
+from tokendance.model.runner import ModelRunner
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
 from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
@@ -29,14 +30,44 @@ from tokendance.sampling import SamplingParams
 logger = logging.getLogger("tokendance")
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine for metrics, benchmarks and the server (they never read the
+    engine's parts directly)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_sessions: int  # agents whose KV is kept between rounds
+    num_evictions: int  # kept tables (sessions) evicted to make room
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+
+@dataclass
+class OutputState:
+    """How a request's outputs are built, beside its scheduling state: never read by the scheduler."""
+
+    detokenizer: IncrementalDetokenizer
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logits: list = field(default_factory=list)
+
+
 class LLMEngine:
-    """Owns the model, the KV pool, the scheduler and the round runner; `step` is the only place
-    results re-enter the engine."""
+    """Owns the model, the KV pool and the scheduler; `step` is the only place results re-enter
+    the engine. Rounds run on top of it (`engine/rounds.py`)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded` reuses weights already in memory (several engines over one model)."""
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if config.num_threads is not None:  # process-wide: only when asked for
+            torch.set_num_threads(config.num_threads)
         loaded = loaded or load_model(config.model)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -58,19 +89,29 @@ class LLMEngine:
                     loaded.name, self.dtype, config.dtype, self.cpu.describe(), self.kv_cache_bytes >> 20,
                     num_blocks, config.block_size, " (auto)" if config.kv_cache_bytes == "auto" else "")
         kv_tensors = KVCacheTensors.allocate(loaded.config, num_blocks * config.block_size, dtype, config.device)
+        self.num_kv_tokens = num_blocks * config.block_size  # what the pool holds, all tables together
         prefix_caching = config.enable_prefix_caching and config.reuse != "full"
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, reclaim=lambda: self.rounds.reclaim()
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, kv_tensors, config.block_size)
         if not 0 <= config.check_layer < loaded.config.num_layers:
             raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
-        self.rounds = RoundRunner(
-            self, config.reuse, config.selection, config.recompute_ratio, config.check_layer, config.collective_selection
-        )
         self.requests: dict[str, Request] = {}
+        self._outputs: dict[str, OutputState] = {}
         self._ids = itertools.count()
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free,
+            block_size=self.kv.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_sessions=len(self.kv.find_kept(SessionKey)),
+            num_evictions=self.kv.num_evictions,
+        )
 
     # ------------------------------------------------------------ requests in
 
@@ -80,8 +121,11 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         namespace: str = "",
+        agent_id: str | None = None,
+        retain_kv: bool = False,
     ) -> Request:
-        """Validate and tokenize; no side effect, so a batch can be checked before any is added."""
+        """Validate and tokenize; no side effect, so a batch can be checked before any is added.
+        `retain_kv`: the request's table outlives it (a round keeps it as the agent's session)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -120,6 +164,8 @@ class LLMEngine:
             eos_token_ids=self.model_config.eos_token_ids,
             namespace=namespace,
             prompt=text,
+            agent_id=agent_id,
+            retain_kv=retain_kv,
             arrival_time=time.perf_counter(),
         )
 
@@ -127,6 +173,8 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._outputs[request.request_id] = OutputState(
+            IncrementalDetokenizer(self.tokenizer, request.sampling_params.stop_strings))
         self.scheduler.add(request)
         return request.request_id
 
@@ -139,7 +187,9 @@ class LLMEngine:
             return None
         self.scheduler.finish(request, "abort")
         self.runner.release(request_id)
-        return self._output(request)
+        state = self._outputs.pop(request_id)
+        state.detokenizer.finish(request.output_token_ids)
+        return self._output(request, state)
 
     @property
     def has_unfinished(self) -> bool:
@@ -155,50 +205,42 @@ class LLMEngine:
         result = self.runner.execute(out)
         now = time.perf_counter()
         for request_id, logits in result.logits.items():
-            request = self.requests[request_id]
-            wanted = request.sampling_params.return_logits
-            if wanted is True or len(request.logits) < wanted:
-                request.logits.append(logits)
+            state, wanted = self._outputs[request_id], self.requests[request_id].sampling_params.return_logits
+            if wanted is True or len(state.logits) < wanted:
+                state.logits.append(logits)
         advanced = self.scheduler.update_from_output(out, result.sampled, self.requests)
         outputs = []
         for request in advanced:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop_strings(request)
+            state = self._outputs[request.request_id]
+            state.first_token_time = state.first_token_time or now
+            state.detokenizer.update(request.output_token_ids)
+            if state.detokenizer.stop_text_end is not None:
+                self.scheduler.finish(request, "stop")  # no-op if a token stop finished it already
             if request.status is RequestStatus.FINISHED:
-                request.finish_time = now
-                del self.requests[request.request_id]
+                state.finish_time = now
+                state.detokenizer.finish(request.output_token_ids)
+                del self.requests[request.request_id], self._outputs[request.request_id]
                 self.runner.release(request.request_id)
-            outputs.append(self._output(request))
+            outputs.append(self._output(request, state))
         return outputs
 
-    def _check_stop_strings(self, request: Request) -> None:
-        stops = request.sampling_params.stop_strings
-        if not stops or request.status is RequestStatus.FINISHED:
-            return
-        text = self.tokenizer.decode(request.output_token_ids)
-        found = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if found:
-            request.stop_text_end = min(found)
-            self.scheduler.finish(request, "stop")
-
-    def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids)
-        if request.stop_text_end is not None:
-            text = text[: request.stop_text_end]
+    def _output(self, request: Request, state: OutputState) -> RequestOutput:
+        """`token_ids` and `logits` are the request's own growing lists (no per-step copies):
+        copy them to keep a snapshot of a running request."""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            text=text,
-            token_ids=list(request.output_token_ids),
+            text=state.detokenizer.output_text,
+            token_ids=request.output_token_ids,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_generated_tokens=len(request.output_token_ids),
             num_preemptions=request.num_preemptions,
             arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time,
-            finish_time=request.finish_time,
-            logits=list(request.logits),
+            first_token_time=state.first_token_time,
+            finish_time=state.finish_time,
+            logits=state.logits,
+            agent_id=request.agent_id,
         )

@@ -26,6 +26,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     namespace: str = ""
     prompt: str | None = None
+    agent_id: str | None = None  # the agent of a round this request is the turn of
+    retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -33,10 +35,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    stop_text_end: int | None = None  # where a matched stop string starts in the output text
     logits: list = field(default_factory=list)  # per generated token, if return_logits
-    retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
-    prepared: bool = False  # a round prefill built its table for [0, num_computed_tokens)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -4,27 +4,21 @@ preemption by recomputation when KV blocks run out."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
+from tokendance.batch import ScheduledRequest, SchedulerOutput
 from tokendance.engine.request import Request, RequestStatus
+from tokendance.errors import CapacityError
 from tokendance.kv.manager import NO_HIT, BlockCopy, KVCacheManager
-from tokendance.model.runner import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    """Owns request state. Running requests keep arrival order: the newest is preempted first."""
+    """The only writer of request state. Running requests keep arrival order: the newest is
+    preempted first. KV that exists before a request runs (prefix-cache hits, a table a round
+    prefill prepared) enters through `kv.find_computed` (a query) and `kv.allocate_slots` (the
+    commit); the KV manager evicts idle kept tables itself when an allocation needs room."""
 
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        reclaim: Callable[[], bool] = lambda: False,
-    ):
-        """`reclaim` frees idle KV held outside requests (e.g. an idle agent session) and says
-        whether it freed anything; it is tried before preempting a running request."""
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
         self.kv = kv
-        self.reclaim = reclaim
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -53,36 +47,46 @@ class Scheduler:
             budget -= num_new
             index += 1
         # After a preemption, admitting new work would only thrash.
-        preempted = self.num_preemptions > preemptions_before
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if self.num_preemptions == preemptions_before:
+            self._admit(out, budget)
+        if out.is_empty and self.waiting and not self.running:
+            self._unblock(out, budget)
+        return out
+
+    def _unblock(self, out: SchedulerOutput, budget: int) -> None:
+        """Nothing runs and nothing fits: waiting requests' prepared tables hold the pool. Drop
+        them newest first (those requests will be computed from scratch) until one is admitted."""
+        for request in list(reversed(self.waiting)):
+            if self.kv.drop_prepared([request.request_id]):
+                self._admit(out, budget)
+                if not out.is_empty:
+                    return
+        raise CapacityError("the KV pool cannot make progress: nothing runs and nothing fits")
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.prepared:  # a round prefill built its table and set its computed count
-                hit, num_computed = NO_HIT, request.num_computed_tokens
-            else:
-                hit = self.kv.find_prefix_hit(request.token_ids, request.namespace)
-                # A fully cached prompt still computes its last token (for the next-token logits).
-                num_computed = min(hit.num_tokens(self.kv.block_size), request.num_tokens - 1)
-            num_new = min(request.num_tokens - num_computed, budget)
-            copies = self._allocate(request, num_computed + num_new, num_computed, hit)
+            computed = self.kv.find_computed(request.request_id, request.token_ids, request.namespace)
+            num_new = min(request.num_tokens - computed.num_tokens, budget)
+            copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
+                                            computed.hit)
             if copies is None:
-                break
+                return
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
+            request.num_computed_tokens = computed.num_tokens
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_computed
+                request.num_cached_tokens = computed.num_cached
             self.running.append(request)
             self._emit(out, request, num_new, copies)
             budget -= num_new
-        return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[BlockCopy] | None:
         """Allocate the request's next tokens, preempting the newest running requests until it
         fits. Returns None if the request had to preempt itself."""
         while True:
-            copies = self._allocate(
-                request, request.num_computed_tokens + num_new, request.num_computed_tokens, NO_HIT
-            )
+            num_computed = request.num_computed_tokens
+            copies = self.kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, NO_HIT)
             if copies is not None:
                 return copies
             victim = self.running.pop()
@@ -90,17 +94,11 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _allocate(self, request: Request, num_tokens: int, num_computed: int, hit) -> list[BlockCopy] | None:
-        while True:
-            copies = self.kv.allocate_slots(request.request_id, num_tokens, num_computed, hit)
-            if copies is not None or not self.reclaim():
-                return copies
-
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.prepared = False
+        request.num_cached_tokens = None  # what its next admission finds cached, not its first
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -144,13 +142,15 @@ class Scheduler:
         return advanced
 
     def finish(self, request: Request, reason: str) -> None:
+        """Finish (or abort) a request. With `retain_kv`, its table stays (cut to the computed
+        tokens) for the caller to keep; otherwise it is freed."""
         if request.status is RequestStatus.FINISHED:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        if request.retain_kv and reason != "abort":
+        if request.retain_kv and reason != "abort" and self.kv.has(request.request_id):
             self.kv.truncate(request.request_id, request.num_computed_tokens)
         else:
             self.kv.free(request.request_id)

@@ -1,13 +1,44 @@
-"""Per-request block tables over one `BlockPool`: allocation, prefix-cache hits, copy-on-write,
-and tables that point at blocks other tables own (agent sessions, master/mirror sharing)."""
+"""Block tables over one `BlockPool`: allocation, prefix-cache hits, copy-on-write, tables that
+point at blocks other tables own (agent sessions, master/mirror sharing), and kept tables.
+
+A table is named by a `TableId`: a request id (str) while a request runs, or a typed key for KV
+kept outside requests (`SessionKey`, `RecallKey`, `ScratchKey`). Kept tables are pinned or
+unpinned; when an allocation does not fit, the manager evicts unpinned kept tables itself, least
+recently kept first, before it reports failure. Nobody is called back.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokendance.kv.block_pool import BlockPool
 from tokendance.kv.hashing import BlockHash, extend_block_hashes
+
+
+@dataclass(frozen=True)
+class SessionKey:
+    """An agent's KV kept between rounds (its prompt and output so far)."""
+
+    agent_id: str
+
+
+@dataclass(frozen=True)
+class RecallKey:
+    """Segments of an agent's previous prompt, held while a round prefill copies them."""
+
+    agent_id: str
+
+
+@dataclass(frozen=True)
+class ScratchKey:
+    """Throw-away KV of a round prefill's check pass."""
+
+    index: int
+
+
+TableId = Hashable  # a request id (str), or one of the keys above
 
 
 @dataclass
@@ -46,23 +77,66 @@ NO_HIT = PrefixHit([], [])
 BlockCopy = tuple[int, int]  # (source block, destination block): copy the KV before the step runs
 
 
+@dataclass(frozen=True)
+class ComputedKV:
+    """What a waiting request finds already computed (side-effect-free query): a prefix-cache hit,
+    or a table a round prefill prepared under its id. `num_cached` is what its usage reports."""
+
+    hit: PrefixHit
+    num_tokens: int
+    num_cached: int
+
+
+@dataclass
+class KeptTable:
+    pinned: bool
+    payload: object = None  # what the keeper stores with it (e.g. a session's token ids)
+
+
 class KVCacheManager:
-    """Owns the block tables. `find_prefix_hit` and `can_allocate` change nothing; `allocate_slots`
-    either commits a whole allocation or changes nothing."""
+    """Owns the block tables. Queries (`find_*`, `can_allocate`) change nothing; `allocate_slots`
+    either commits a whole allocation or changes nothing (but for evicting unpinned kept tables,
+    which it may do to make room)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.requests: dict[str, RequestKV] = {}
+        self.tables: dict[TableId, RequestKV] = {}
+        self.kept: OrderedDict[TableId, KeptTable] = OrderedDict()  # least recently kept first
+        self.prepared: dict[TableId, tuple[int, int]] = {}  # table -> (num_tokens, num_cached)
+        self.num_evictions = 0
 
     # ------------------------------------------------------------ lookups
+
+    def find_computed(self, request_id: str, token_ids: Sequence[int], namespace: str) -> ComputedKV:
+        """Tokens of a waiting request whose KV exists: its prepared table, else prefix-cache hits.
+        A fully cached prompt still computes its last token (for the next-token logits)."""
+        if request_id in self.prepared:
+            num_tokens, num_cached = self.prepared[request_id]
+            return ComputedKV(NO_HIT, num_tokens, num_cached)
+        hit = self.find_prefix_hit(token_ids, namespace)
+        num_tokens = min(hit.num_tokens(self.block_size), len(token_ids) - 1)
+        return ComputedKV(hit, num_tokens, num_tokens)
+
+    def mark_prepared(self, request_id: str, num_tokens: int, num_cached: int) -> None:
+        """The table `request_id` holds the KV of the request's first `num_tokens` tokens, before
+        the request is scheduled (a round prefill); the scheduler finds it with `find_computed`."""
+        self.prepared[request_id] = (num_tokens, num_cached)
+
+    def drop_prepared(self, request_ids: Iterable[str]) -> int:
+        """Free the prepared tables of these (waiting) requests; they will be computed like any
+        preempted request. Returns how many were dropped."""
+        dropped = [r for r in request_ids if r in self.prepared]
+        for request_id in dropped:
+            self.free(request_id)
+        return len(dropped)
 
     def mark_irregular(self, request_id: str, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
         """Offer only the first `num_cacheable_tokens` (exact KV) to the prefix cache, never the rest
         of the table (e.g. blended, position-corrected copies)."""
         self.register_computed_blocks(request_id, token_ids, num_cacheable_tokens, namespace)
-        self.requests[request_id].regular = False
+        self.tables[request_id].regular = False
 
     def find_prefix_hit(self, token_ids: Sequence[int], namespace: str) -> PrefixHit:
         if not self.enable_prefix_caching:
@@ -77,14 +151,14 @@ class KVCacheManager:
             block_ids.append(block_id)
         return PrefixHit(block_ids, hashes)
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self.requests
+    def has(self, table_id: TableId) -> bool:
+        return table_id in self.tables
 
-    def get_slots(self, request_id: str) -> list[int]:
-        return self.requests[request_id].slots
+    def get_slots(self, table_id: TableId) -> list[int]:
+        return self.tables[table_id].slots
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.requests[request_id].block_ids
+    def get_block_ids(self, table_id: TableId) -> list[int]:
+        return self.tables[table_id].block_ids
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,7 +172,7 @@ class KVCacheManager:
         self, request_id: str, num_tokens: int, num_computed_tokens: int, hit: PrefixHit
     ) -> tuple[int, bool]:
         """(free blocks this allocation consumes, whether the first written block needs a copy)."""
-        kv = self.requests.get(request_id)
+        kv = self.tables.get(request_id)
         if kv is None:
             have = len(hit.block_ids) * self.block_size
             num_free_hits = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0)
@@ -120,14 +194,17 @@ class KVCacheManager:
     ) -> list[BlockCopy] | None:
         """Make tokens [0, num_tokens) of the request addressable, tokens from
         `num_computed_tokens` on writable. A new request first takes `hit`'s blocks. Returns the
-        block copies to run before the step (copy-on-write), or None if the pool is too small
-        (nothing changed)."""
+        block copies to run before the step (copy-on-write), or None if the pool is too small even
+        after evicting every unpinned kept table (nothing else changed)."""
         needed, needs_copy = self._plan(request_id, num_tokens, num_computed_tokens, hit)
-        if needed > self.pool.num_free:
-            return None
-        kv = self.requests.get(request_id)
+        while needed > self.pool.num_free:
+            if not self._evict_one():
+                return None
+            needed, needs_copy = self._plan(request_id, num_tokens, num_computed_tokens, hit)
+        self.prepared.pop(request_id, None)  # the scheduler took it over
+        kv = self.tables.get(request_id)
         if kv is None:
-            kv = self.requests[request_id] = RequestKV()
+            kv = self.tables[request_id] = RequestKV()
             self.pool.acquire(hit.block_ids)
             kv.block_ids.extend(hit.block_ids)
             kv.slots.extend(self._block_slots(hit.block_ids))
@@ -143,7 +220,7 @@ class KVCacheManager:
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, namespace: str
     ) -> None:
         """Offer the request's fully computed blocks to the prefix cache."""
-        kv = self.requests[request_id]
+        kv = self.tables[request_id]
         if not self.enable_prefix_caching or not kv.regular:
             return
         num_full = num_computed_tokens // self.block_size
@@ -154,22 +231,59 @@ class KVCacheManager:
             self.pool.set_hash(kv.block_ids[index], kv.block_hashes[index])
         kv.num_registered_blocks = num_full
 
-    def free(self, request_id: str) -> None:
-        kv = self.requests.pop(request_id, None)
+    def free(self, table_id: TableId) -> None:
+        kv = self.tables.pop(table_id, None)
+        self.kept.pop(table_id, None)
+        self.prepared.pop(table_id, None)
         if kv is not None:
             self.pool.release(reversed(kv.block_ids))
 
+    # ------------------------------------------------------------ kept tables
+
+    def keep(self, table_id: TableId, key: TableId | None = None, payload=None, pinned: bool = False) -> None:
+        """Keep a table outside any request (renamed to `key` if given), as the most recently kept.
+        Unpinned kept tables are evicted, least recently kept first, when an allocation needs room."""
+        if key is not None and key != table_id:
+            self.rename(table_id, key)
+            table_id = key
+        if table_id not in self.tables:
+            raise KeyError(f"no table {table_id!r}")
+        self.kept.pop(table_id, None)
+        self.kept[table_id] = KeptTable(pinned, payload)
+
+    def unkeep(self, table_id: TableId, new_id: TableId | None = None):
+        """Take a kept table back (renamed to `new_id` if given): it is an ordinary table again,
+        never evicted. Returns its payload, or None if it is not kept (e.g. it was evicted)."""
+        kept = self.kept.pop(table_id, None)
+        if kept is None:
+            return None
+        if new_id is not None:
+            self.rename(table_id, new_id)
+        return kept.payload
+
+    def find_kept(self, kind: type) -> dict[TableId, object]:
+        """Kept tables whose id is of type `kind` (e.g. SessionKey), with their payloads."""
+        return {table_id: k.payload for table_id, k in self.kept.items() if isinstance(table_id, kind)}
+
+    def _evict_one(self) -> bool:
+        victim = next((table_id for table_id, k in self.kept.items() if not k.pinned), None)
+        if victim is None:
+            return False
+        self.free(victim)
+        self.num_evictions += 1
+        return True
+
     # ------------------------------------------------------------ shared tables
 
-    def create_table(self, request_id: str) -> None:
-        if request_id in self.requests:
-            raise KeyError(f"table {request_id!r} exists")
-        self.requests[request_id] = RequestKV(regular=False)
+    def create_table(self, table_id: TableId) -> None:
+        if table_id in self.tables:
+            raise KeyError(f"table {table_id!r} exists")
+        self.tables[table_id] = RequestKV(regular=False)
 
-    def append_shared_slots(self, request_id: str, slots: Sequence[int]) -> None:
+    def append_shared_slots(self, table_id: TableId, slots: Sequence[int]) -> None:
         """Point the next tokens of a table at slots of blocks held elsewhere (a mirror of a master);
         the table takes one reference on each block it did not hold yet."""
-        kv = self.requests[request_id]
+        kv = self.tables[table_id]
         kv.regular = False
         held = set(kv.block_ids)
         for slot in slots:
@@ -180,21 +294,22 @@ class KVCacheManager:
                 self.pool.acquire([block_id])
         kv.slots.extend(slots)
 
-    def append_private_slots(self, request_id: str, count: int) -> list[int] | None:
+    def append_private_slots(self, table_id: TableId, count: int) -> list[int] | None:
         """Give the next `count` tokens fresh slots in the table's own blocks (None if the pool is
-        too small; nothing changed)."""
-        kv = self.requests[request_id]
+        too small even after evicting every unpinned kept table; nothing else changed)."""
+        kv = self.tables[table_id]
         missing = self.num_blocks_needed(max(0, count - len(kv.spare)))
-        if missing > self.pool.num_free:
-            return None
+        while missing > self.pool.num_free:
+            if not self._evict_one():
+                return None
         kv.regular = False
         start = len(kv.slots)
         self._grow(kv, start + count)
         return kv.slots[start:]
 
-    def truncate(self, request_id: str, num_tokens: int) -> None:
+    def truncate(self, table_id: TableId, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens; release blocks nothing kept points at."""
-        kv = self.requests[request_id]
+        kv = self.tables[table_id]
         if num_tokens >= len(kv.slots):
             return
         kv.slots = kv.slots[:num_tokens]
@@ -207,13 +322,15 @@ class KVCacheManager:
         kv.block_ids = [b for b in kv.block_ids if b in needed]
         self.pool.release(reversed(dropped))
 
-    def rename(self, request_id: str, new_id: str) -> None:
-        if new_id in self.requests:
+    def rename(self, table_id: TableId, new_id: TableId) -> None:
+        if new_id in self.tables:
             raise KeyError(f"table {new_id!r} exists")
-        self.requests[new_id] = self.requests.pop(request_id)
+        self.tables[new_id] = self.tables.pop(table_id)
+        if table_id in self.kept:
+            self.kept[new_id] = self.kept.pop(table_id)
 
-    def held_blocks(self, request_ids: Iterable[str]) -> set[int]:
-        return {b for r in request_ids for b in self.requests[r].block_ids}
+    def held_blocks(self, table_ids: Iterable[TableId]) -> set[int]:
+        return {b for t in table_ids for b in self.tables[t].block_ids}
 
     # ------------------------------------------------------------ internals
 

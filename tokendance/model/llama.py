@@ -40,13 +40,17 @@ class PrefillAttention:
 
 @dataclass
 class DecodeAttention:
-    """All requests with exactly one query token, attended in one padded batch."""
+    """All requests with exactly one query token, attended in one batch. Column j of a row is the
+    key at position j (padding points at slot 0)."""
 
     query_rows: torch.Tensor  # [B] rows of the flat batch
-    context_slots: torch.Tensor  # [B, max_context] slots, padding points at slot 0
-    mask: torch.Tensor  # [B, 1, 1, max_context] bool, False on padding
+    context_slots: torch.Tensor  # [B, max_context] slots
+    lengths: torch.Tensor  # [B] int64: valid columns per row
+    # Eager path only (None: the paged decode kernel reads slots in place and rotates queries).
+    mask: torch.Tensor | None = None  # [B, 1, 1, max_context] bool, False on padding
     # Keys in the first `num_rotated` columns are read at other positions than they were stored
     # for: `rotation` covers the flattened [B * num_rotated] keys; the other columns need none.
+    # (The eager path moves each row's shifted keys first: attention is order-independent.)
     rotation: KeyRotation | None = None
     num_rotated: int = 0
 
@@ -148,6 +152,7 @@ class LlamaModel:
         angles = torch.outer(shifts, rope_inverse_frequencies(config))[:, None, :]  # [2L-1, 1, D/2]
         self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
         self.read_keys = FusedKeyReader()
+        self.decode_kernel = PagedDecodeKernel.load(self) if torch.device(device).type == "cpu" else None
 
     def forward(
         self,
@@ -173,7 +178,8 @@ class LlamaModel:
             key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
-            attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.read_keys)  # [T, Hq * D]
+            attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.read_keys,
+                                   self.decode_kernel, kv_cache.positions)  # [T, Hq * D]
             hidden = hidden + self.linear(attn, layer.out)
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -288,6 +294,37 @@ class FusedKeyReader:
         return gather_rotated_keys(cache, slots, rotation.cos, rotation.sin)
 
 
+class PagedDecodeKernel:
+    """Decode attention in one C kernel (model/kernels/paged_decode.c): each request's keys and
+    values are read in place from the pool (no gather copy), and keys stored for another position
+    are corrected by rotating the query once per run of equally shifted keys, not every key."""
+
+    def __init__(self, lib, shift_cos: torch.Tensor, shift_sin: torch.Tensor, max_shift: int):
+        self.lib = lib
+        self.shift_cos, self.shift_sin = shift_cos, shift_sin  # [2 * max_shift + 1, D / 2]
+        self.max_shift = max_shift
+
+    @classmethod
+    def load(cls, model: "LlamaModel") -> "PagedDecodeKernel | None":
+        from tokendance.model import kernels
+
+        lib = kernels.load()
+        if lib is None:
+            return None
+        flat = (model.shift_cos.shape[0], model.shift_cos.shape[-1])
+        return cls(lib, model.shift_cos.reshape(flat).contiguous(), model.shift_sin.reshape(flat).contiguous(),
+                   model.max_shift)
+
+    def __call__(self, q, key_cache, value_cache, d: DecodeAttention, positions: torch.Tensor) -> torch.Tensor:
+        from tokendance.model import kernels
+
+        query = q[d.query_rows].float().contiguous()  # [B, Hq, D]
+        out = kernels.paged_decode_attention(
+            self.lib, query, key_cache, value_cache, d.context_slots, d.lengths, positions,
+            self.shift_cos, self.shift_sin, self.max_shift, query.shape[-1] ** -0.5)
+        return out.to(q.dtype)  # [B, Hq, D]
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] new queries
     k: torch.Tensor,  # [T, Hkv, D] new keys (already written to the cache)
@@ -296,6 +333,8 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     read_keys: FusedKeyReader,
+    decode_kernel: PagedDecodeKernel | None = None,
+    slot_positions: torch.Tensor | None = None,  # [num_slots]: the position each key is rotated for
 ) -> torch.Tensor:  # [T, Hq * D]
     out = torch.empty_like(q)
     # SDPA gets 4-D inputs: only those take the fused (flash) CPU kernel with GQA.
@@ -312,7 +351,9 @@ def paged_attention(
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     d = meta.decode
-    if d is not None:
+    if d is not None and d.mask is None:
+        out[d.query_rows] = decode_kernel(q, key_cache, value_cache, d, slot_positions)
+    elif d is not None:
         batch, max_context = d.context_slots.shape
         flat_slots = d.context_slots.reshape(-1)
         # [B * Lk, Hkv, D] -> [B, Lk, Hkv, D]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tokendance.kv.manager import BlockCopy
+from tokendance.batch import SchedulerOutput, ScheduledRequest
 from tokendance.model.llama import (
     AttentionMetadata,
     DecodeAttention,
@@ -15,32 +15,7 @@ from tokendance.model.llama import (
     PrefillAttention,
     rotate_pairs,
 )
-from tokendance.sampling import Sampler, SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """Plain data for the runner: compute `token_ids` at `positions` (increasing; each token's
-    K/V goes to context_slots[position]) and attend causally over `context_slots`, one slot per
-    position from 0 through the last new token."""
-
-    request_id: str
-    token_ids: list[int]
-    positions: list[int] | range
-    context_slots: list[int]
-    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams | None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from tokendance.sampling import Sampler
 
 
 @dataclass
@@ -159,19 +134,22 @@ class ModelRunner:
         lengths = [len(s) for s in slots]
         width = max(lengths)
         padded = self._tensor([s + [0] * (width - len(s)) for s in slots])  # [B, Lk]
+        length_tensor = self._tensor(lengths)
+        if self.model.decode_kernel is not None:  # reads slots in place, rotates queries itself
+            return DecodeAttention(self._tensor(rows), padded, length_tensor)
         key_positions = torch.arange(width, device=self.device)
-        mask = key_positions[None, :] < self._tensor(lengths)[:, None]  # [B, Lk]
+        mask = key_positions[None, :] < length_tensor[:, None]  # [B, Lk]
         shift = (key_positions[None, :] - self.kv_cache.positions[padded]).masked_fill(~mask, 0)
         is_shifted = shift != 0
         if not bool(is_shifted.any()):
-            return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :])
+            return DecodeAttention(self._tensor(rows), padded, length_tensor, mask[:, None, None, :])
         # Attention does not depend on the order of the keys: move each row's shifted keys to
         # its first columns, so only the first `num_rotated` columns go through the rotation.
         order = torch.sort(is_shifted.to(torch.int8), dim=1, descending=True, stable=True).indices
         padded, mask, shift = padded.gather(1, order), mask.gather(1, order), shift.gather(1, order)
         num_rotated = int(is_shifted.sum(1).max())
         rotation = self.model.key_rotation(shift[:, :num_rotated])
-        return DecodeAttention(self._tensor(rows), padded, mask[:, None, None, :], rotation, num_rotated)
+        return DecodeAttention(self._tensor(rows), padded, length_tensor, mask[:, None, None, :], rotation, num_rotated)
 
     def _rotation(self, slots: torch.Tensor, key_positions: torch.Tensor, valid=None):
         """RoPE corrections for keys stored at other positions than they are read (shared KV)."""

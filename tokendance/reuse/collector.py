@@ -1,225 +1,78 @@
-"""Round prefill over shared KV: base KV of shared spans, token selection, selective recompute.
+"""The KV Collector (`tokendance`): collective reuse once per round for all agents.
 
-Two strategies behind one interface (`prefill(agents)`):
+One base KV per distinct shared span (the master: the span as an agent holding it computed it in
+its own context), one batched check pass, and one batched recompute. Agents' tables point at the
+master's slots in place (keys rotated when read) and hold private slots only for the tokens they
+recompute and their private text (Master-Mirror: the mirror is the block-sparse diff). Agents keep
+their KV between rounds as sessions, and segments of their previous prompt that moved are recalled
+(copied, position-corrected) instead of recomputed.
 
-- `PerRequestReuse` (`pic`, the CacheBlend baseline, in `reuse/per_request.py`): agent after
-  agent, each looks up every shared span's base KV, copies it into its own blocks with positions
-  corrected, runs its own check pass and recomputes its selected tokens. N agents pay N times,
-  and store N copies.
-- `KVCollector` (`tokendance`): once per round for all agents: one base KV per distinct span
-  (the master), one batched check pass, and one batched recompute. Agents' tables point at the
-  master's slots in place (keys rotated when read) and hold private slots only for the tokens
-  they recompute and their private text (Master-Mirror: the mirror is the block-sparse diff).
-
-In both, a span's base KV is the KV the first agent holding it computed in its own full context
-(for the KV Collector: the fewest agents covering every span compute their prompts in full).
-
-Both leave each agent with a table covering tokens [0, L-1) of its prompt; the scheduler then
-computes the last token and decodes as usual.
+The per-request baseline (`pic`) is in `reuse/per_request.py`; the shared machinery in
+`reuse/round_kv.py`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
-
-from tokendance.errors import CapacityError
-from tokendance.kv.manager import KVCacheManager
-from tokendance.model.runner import ModelRunner, ScheduledRequest, SchedulerOutput
-from tokendance.reuse.segments import TokenizedTurn
-from tokendance.reuse.selection import Selector
-
-
-@dataclass
-class AgentPrefill:
-    """One agent's prompt while its KV is prepared. Its table (`table_id`) already holds the
-    `num_reused_prefix` tokens a session or the prefix cache provided."""
-
-    table_id: str
-    turn: TokenizedTurn
-    num_reused_prefix: int
-    selected: dict[int, list[int]] = field(default_factory=dict)  # span index -> offsets
-    reused_spans: list[int] = field(default_factory=list)  # indices of spans served from shared KV
-    # Segments of the agent's previous prompt, by content: their slots (held for the prefill),
-    # so a segment that moved (retrieved memories, a feed) is reused like a shared span.
-    recall: dict[bytes, list[int]] = field(default_factory=dict)
-    recall_table: str | None = None  # the table holding the recalled slots until they are copied
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.turn.token_ids
-
-    @property
-    def num_prepared(self) -> int:
-        """Tokens this prefill covers: all but the last (the scheduler computes it and samples)."""
-        return len(self.turn.token_ids) - 1
-
-    def spans_to_reuse(self) -> list[int]:
-        """Spans after the reused prefix that are shared in the round or recalled from the
-        agent's previous prompt."""
-        end = self.num_prepared
-        return [
-            i for i, s in enumerate(self.turn.spans)
-            if (s.key is not None or s.content in self.recall) and s.start >= self.num_reused_prefix and s.end <= end
-        ]
+from tokendance.kv.manager import RecallKey, SessionKey
+from tokendance.reuse.round_kv import (
+    AgentPrefill,
+    PrefillReport,
+    ReusePolicy,
+    RoundKV,
+    Session,
+    count_reuse,
+    private_positions,
+)
+from tokendance.reuse.segments import TokenizedTurn, common_prefix
 
 
-@dataclass
-class PrefillReport:
-    """Seconds per phase and tokens computed (in full-model token equivalents)."""
+class KVCollector(ReusePolicy):
+    """Collective reuse for a whole round (`tokendance`), over agent sessions. `scope` picks how
+    selection is shared: "agent" = one batched check pass, each agent selects its own tokens;
+    "block" = one check pass per distinct span (in the first agent holding it), the selection
+    applied to every agent."""
 
-    lookup_seconds: float = 0.0  # base KV of shared spans (+ position-corrected copies in pic)
-    selection_seconds: float = 0.0
-    recompute_seconds: float = 0.0
-    computed_tokens: float = 0.0
-    recomputed_tokens: int = 0  # selected tokens of reused spans
-    reused_tokens: int = 0  # tokens of reused spans served from shared KV
-
-
-class RoundKV:
-    """KV operations of a round prefill on one engine's KV manager and runner."""
-
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        runner: ModelRunner,
-        selector: Selector,
-        check_layer: int,
-        max_batch_tokens: int,
-        reclaim: Callable[[], bool],
-    ):
-        self.kv = kv
-        self.runner = runner
-        self.selector = selector
-        self.check_layer = check_layer
-        self.max_batch_tokens = max_batch_tokens
-        self.reclaim = reclaim
-        self.num_layers = len(runner.model.layers)
-        # span key -> (table id, first token, length) of its master: the span as the first agent
-        # holding it computed it, in that agent's own context (see KVCollector)
-        self.masters: dict[bytes, tuple[str, int, int]] = {}
-        self.held_tables: list[str] = []  # kept alive for the prefill only (recalled sessions)
-
-    # ------------------------------------------------------------ allocation
-
-    def private_slots(self, table_id: str, count: int) -> list[int]:
-        while True:
-            slots = self.kv.append_private_slots(table_id, count)
-            if slots is not None:
-                return slots
-            if not self.reclaim():
-                raise CapacityError(f"the KV pool cannot hold this round ({count} more tokens needed)")
-
-    def release_masters(self) -> None:
-        """Forget this round's masters (their blocks live on while any table references them)."""
-        self.masters.clear()
-        self.release_held()
-
-    def release_held(self) -> None:
-        for table_id in self.held_tables:
-            if self.kv.has(table_id):
-                self.kv.free(table_id)
-        self.held_tables.clear()
-
-    def register_masters(self, agent: "AgentPrefill") -> None:
-        """Make the agent's computed shared spans the masters of spans not mastered yet."""
-        for index in agent.spans_to_reuse():
-            span = agent.turn.spans[index]
-            if span.key is not None and span.key not in self.masters:
-                self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
-
-    def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
-        """Base KV of a reused span: the round's master if shared, else the agent's recall."""
-        span = agent.turn.spans[index]
-        if span.key in self.masters:
-            return self.master_slots(span.key)
-        return agent.recall[span.content]
-
-    # ------------------------------------------------------------ forward passes
-
-    def run(self, items: list[ScheduledRequest], num_layers: int | None = None) -> None:
-        """Forward `items` in groups of about `max_batch_tokens` new tokens."""
-        group: list[ScheduledRequest] = []
-        tokens = 0
-        for item in items:
-            if group and tokens + len(item.token_ids) > self.max_batch_tokens:
-                self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
-                group, tokens = [], 0
-            group.append(item)
-            tokens += len(item.token_ids)
-        if group:
-            self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
-
-    def master_slots(self, key: bytes) -> list[int]:
-        table_id, start, length = self.masters[key]
-        return self.kv.get_slots(table_id)[start:start + length]
-
-    def check_keys(self, agents: list[AgentPrefill]) -> list[torch.Tensor]:
-        """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
-        its real context through the first check_layer+1 layers, in scratch slots."""
-        scratch = []
-        items = []
-        try:
-            for index, agent in enumerate(agents):
-                table_id = f"scratch:{index}"
-                self.kv.create_table(table_id)
-                scratch.append(table_id)
-                self.kv.append_shared_slots(table_id, self.kv.get_slots(agent.table_id)[: agent.num_reused_prefix])
-                new = range(agent.num_reused_prefix, agent.num_prepared)
-                self.private_slots(table_id, len(new))
-                slots = self.kv.get_slots(table_id)
-                items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
-            self.run(items, num_layers=self.check_layer + 1)
-            return [
-                self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
-                for item in items
-            ]
-        finally:
-            for table_id in scratch:
-                self.kv.free(table_id)
-
-    def deviation(self, fresh: torch.Tensor, slots: list[int], positions: range) -> torch.Tensor:
-        cached = self.runner.read_keys(self.check_layer, slots, list(positions))
-        return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
-
-    def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]]) -> int:
-        """Compute the given positions of each agent through all layers over its fused table."""
-        items = []
-        for agent in agents:
-            positions = positions_of(agent)
-            if not positions:
-                continue
-            slots = self.kv.get_slots(agent.table_id)[: positions[-1] + 1]
-            token_ids = [agent.token_ids[p] for p in positions]
-            items.append(ScheduledRequest(agent.table_id, token_ids, positions, slots, False, None))
-        self.run(items)
-        return sum(len(i.token_ids) for i in items)
-
-
-def private_positions(agent: AgentPrefill) -> list[int]:
-    """Positions of [prefix, L-1) that are not served from shared KV: private text and the
-    selected tokens of reused spans."""
-    reused = set()
-    for index in agent.reused_spans:
-        span = agent.turn.spans[index]
-        chosen = set(agent.selected.get(index, ()))
-        reused.update(span.start + o for o in range(span.end - span.start) if o not in chosen)
-    return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
-
-
-class KVCollector:
-    """Collective reuse for a whole round (`tokendance`). `scope` picks how selection is shared:
-    "agent" = one batched check pass, each agent selects its own tokens; "block" = one check pass
-    per distinct span (in the first agent holding it), the selection applied to every agent."""
+    prepares_tables = True
+    keeps_sessions = True
 
     def __init__(self, round_kv: RoundKV, scope: str = "agent"):
-        self.round_kv = round_kv
+        super().__init__("tokendance", round_kv)
         self.scope = scope
 
+    def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
+        """The agent's session table, cut to the longest prefix its new prompt shares with it.
+        The segments of the session after the cut stay held (pinned) for the prefill (recall)."""
+        kv, prepared = self.round_kv.kv, len(turn.token_ids) - 1
+        session: Session | None = kv.unkeep(SessionKey(turn.agent_id), request_id)
+        if session is None:
+            kv.create_table(request_id)
+            return AgentPrefill(request_id, turn, 0)
+        common = min(common_prefix(session.token_ids, turn.token_ids), prepared)
+        slots = kv.get_slots(request_id)
+        wanted = {s.content for s in turn.spans if s.start >= common}
+        recall = {s.content: slots[s.start:s.end] for s in session.spans
+                  if s.content in wanted and common <= s.start and s.end <= len(slots)}
+        recall_id = None
+        if recall:  # only the blocks of segments the new prompt holds again stay, until copied
+            recall_id = RecallKey(turn.agent_id)
+            kv.create_table(recall_id)
+            kv.append_shared_slots(recall_id, [slot for span in recall.values() for slot in span])
+            kv.keep(recall_id, pinned=True)
+        kv.truncate(request_id, common)
+        return AgentPrefill(request_id, turn, common, recall=recall, recall_table=recall_id)
+
     def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+        try:
+            return self._prefill(agents)
+        finally:  # recalled segments not copied (e.g. a failed prefill) are freed now
+            for agent in agents:
+                if agent.recall_table is not None:
+                    self.round_kv.kv.free(agent.recall_table)
+                    agent.recall_table, agent.recall = None, {}
+
+    def _prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
         rk, report = self.round_kv, PrefillReport()
         started = time.perf_counter()
         for agent in agents:
@@ -320,7 +173,6 @@ class KVCollector:
             rk.runner.copy_kv(*copies)
         if agent.recall_table is not None:  # copied: the old blocks go back to the pool now
             rk.kv.free(agent.recall_table)
-            rk.held_tables.remove(agent.recall_table)
             agent.recall_table, agent.recall = None, {}
 
 
@@ -366,12 +218,3 @@ def _choose_masters(agents: list[AgentPrefill]) -> list[AgentPrefill]:
         candidates.remove(best)
         covered |= spans_of[id(best)].keys()
     return masters
-
-
-def count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:
-    for agent in agents:
-        for index in agent.reused_spans:
-            span = agent.turn.spans[index]
-            selected = len(agent.selected.get(index, ()))
-            report.recomputed_tokens += selected
-            report.reused_tokens += span.end - span.start - selected

@@ -5,23 +5,44 @@ from __future__ import annotations
 
 import time
 
-from tokendance.reuse.collector import (
+from tokendance.errors import CapacityError
+from tokendance.reuse.round_kv import (
     AgentPrefill,
     PrefillReport,
+    ReusePolicy,
     RoundKV,
     count_reuse,
     private_positions,
 )
+from tokendance.reuse.segments import TokenizedTurn
 
 
-class PerRequestReuse:
-    """Per-request position-independent reuse (`pic`, CacheBlend-style): each agent separately
-    copies every shared span's base KV into its own blocks at its own positions, runs its own
-    check pass and recomputes its own selection. Base KV is computed once and kept for the round
-    (the role of a chunk store)."""
+class PerRequestReuse(ReusePolicy):
+    """Per-request position-independent reuse (`pic`, CacheBlend-style): prefix-cache hits for
+    the history, then each agent separately copies every shared span's base KV into its own
+    blocks at its own positions, runs its own check pass and recomputes its own selection. Base
+    KV is computed once and kept for the round (the role of a chunk store)."""
+
+    prepares_tables = True
 
     def __init__(self, round_kv: RoundKV):
-        self.round_kv = round_kv
+        super().__init__("pic", round_kv)
+
+    def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
+        """A private table for [0, L-1), its prefix from the prefix cache."""
+        kv, prepared = self.round_kv.kv, len(turn.token_ids) - 1
+        hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
+        cached = min(hit.num_tokens(kv.block_size), prepared)
+        copies = kv.allocate_slots(request_id, prepared, cached, hit)
+        if copies is None:
+            raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
+        self.round_kv.runner.copy_blocks(copies)
+        return AgentPrefill(request_id, turn, cached)
+
+    def finish(self, agent: AgentPrefill) -> None:
+        # Only the exact prefix before the first blended span may serve as prefix-cache hits.
+        exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
+        self.round_kv.kv.mark_irregular(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
 
     def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
         report = PrefillReport()

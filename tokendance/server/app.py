@@ -85,6 +85,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
 
 class Api:
     def __init__(self, llm, config: ServerConfig, loop: EngineLoop, metrics: Metrics):
+        self.llm = llm
         self.engine = llm.engine
         self.config = config
         self.loop = loop
@@ -110,7 +111,7 @@ class Api:
 
     async def end_agent(self, agent_id: str, cache_salt: str = ""):
         """Drop an agent's session (its KV); 404 if it has none."""
-        ended = await self.loop.call(lambda: self.engine.rounds.end_agent(engine_agent_id(cache_salt, agent_id)))
+        ended = await self.loop.call(lambda: self.llm.end_agent(engine_agent_id(cache_salt, agent_id)))
         if not ended:
             raise ApiError(404, f"agent {agent_id!r} has no session", param="agent_id", code="agent_not_found")
         return {"agent_id": agent_id, "object": "agent.deleted", "deleted": True}
@@ -199,8 +200,7 @@ class Api:
         joins a round or not, and a shared message the same ids wherever it sits."""
         token_ids = [t for segment in chat_segments(self.engine.tokenizer, messages) for t in segment]
         if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
-            kv = self.engine.kv
-            room = min(self.engine.max_model_len, kv.pool.num_blocks * kv.block_size) - len(token_ids)
+            room = min(self.engine.max_model_len, self.engine.num_kv_tokens) - len(token_ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))
         return self.engine.make_request(token_ids, params, request_id=request_id, namespace=namespace)
 

@@ -218,8 +218,8 @@ class EngineLoop:
 
     def _deliver(self, output: RequestOutput) -> None:
         routes, key = self._routes, output.request_id
-        if key not in routes and key.startswith("round"):  # round requests are "round{index}:{agent_id}";
-            routes, key = self._agents, key.partition(":")[2]  # a round may run in waves of other indices
+        if key not in routes and output.agent_id is not None:  # an agent's turn in a round
+            routes, key = self._agents, output.agent_id
         route = routes.get(key)
         if route is None:
             return
@@ -231,13 +231,12 @@ class EngineLoop:
 
     def _abort(self, sink: Sink) -> None:
         self.gatherer.remove(sink.key)
-        rounds = self.engine.rounds
         for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
             del self._routes[request_id]
             self._aborted(self.engine.abort_request(request_id))
         for agent_id in [a for a, route in self._agents.items() if route.sink is sink]:
             del self._agents[agent_id]  # the round goes on without it (a later wave runs it unheard)
-            self._aborted(rounds.abort(f"round{rounds.round_index}:{agent_id}"))
+            self._aborted(self.llm.rounds.abort(agent_id))
 
     def _aborted(self, output: RequestOutput | None) -> None:
         if output is not None:
@@ -249,7 +248,7 @@ class EngineLoop:
         turns = [t for t in turns if not t.sink.closed]
         if not turns:
             return
-        index = self.engine.rounds.round_index
+        index = self.llm.rounds.round_index
         agent_ids = [
             f"anon:{next(self._anonymous)}" if t.agent_id is None else engine_agent_id(t.namespace, t.agent_id)
             for t in turns
@@ -259,7 +258,7 @@ class EngineLoop:
             self._agents[agent_id] = Route(turn.sink, turn.index, info)
         agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]
         try:
-            result = self.engine.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output)
+            result = self.llm.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output)
         except Exception as exc:
             self._round_failed(turns, agent_ids, exc)
             return
@@ -296,7 +295,7 @@ class EngineLoop:
                 turn.sink.fail(error)
 
     def _publish(self) -> None:
-        self.metrics.record_engine(self.engine, len(self.gatherer))
+        self.metrics.record_engine(self.engine.stats(), len(self.gatherer))
 
 
 def _source(turns: list[ChatTurn]) -> str:

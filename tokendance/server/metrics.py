@@ -112,16 +112,15 @@ class Metrics:
         self.set("tokendance_round_shared_compression", stats.shared_compression)
         self.set("tokendance_round_kv_bytes_per_agent", stats.kv_bytes_per_agent)
 
-    def record_engine(self, engine, num_gathering: int) -> None:
-        """The engine's gauges (call on the engine thread: it reads the scheduler and the pool)."""
-        pool = engine.kv.pool
-        self.set("tokendance_kv_blocks_total", pool.num_blocks)
-        self.set("tokendance_kv_blocks_used", pool.num_used)
-        self.set("tokendance_kv_blocks_free", pool.num_free)
-        self.set("tokendance_agent_sessions", len(engine.rounds.sessions))
-        self.set("tokendance_session_evictions_total", engine.rounds.num_evictions)
-        self.set("tokendance_engine_running_requests", len(engine.scheduler.running))
-        self.set("tokendance_engine_waiting_requests", len(engine.scheduler.waiting))
+    def record_engine(self, stats, num_gathering: int) -> None:
+        """The engine's gauges, from an `EngineStats` snapshot (taken on the engine thread)."""
+        self.set("tokendance_kv_blocks_total", stats.num_blocks)
+        self.set("tokendance_kv_blocks_used", stats.num_used_blocks)
+        self.set("tokendance_kv_blocks_free", stats.num_free_blocks)
+        self.set("tokendance_agent_sessions", stats.num_sessions)
+        self.set("tokendance_session_evictions_total", stats.num_evictions)
+        self.set("tokendance_engine_running_requests", stats.num_running)
+        self.set("tokendance_engine_waiting_requests", stats.num_waiting)
         self.set("tokendance_gather_pending_requests", num_gathering)
 
 

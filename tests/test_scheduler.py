@@ -1,0 +1,160 @@
+"""The scheduler, kept tables, master choice and token selection without the model: exact token
+counts, block ids and orders on tiny configurations (milliseconds, CPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokendance.engine.request import Request, RequestStatus
+from tokendance.engine.scheduler import Scheduler
+from tokendance.errors import CapacityError
+from tokendance.kv.manager import KVCacheManager, RecallKey, SessionKey
+from tokendance.reuse.collector import _choose_masters
+from tokendance.reuse.round_kv import AgentPrefill
+from tokendance.reuse.segments import PromptSpan, TokenizedTurn
+from tokendance.reuse.selection import make_selector
+from tokendance.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def request(request_id: str, num_prompt: int, max_tokens: int = 4, start: int = 100) -> Request:
+    return Request(request_id, list(range(start, start + num_prompt)), GREEDY, max_tokens)
+
+
+def step(scheduler: Scheduler, requests: dict[str, Request], token: int = 7):
+    """One schedule + a fake model that samples `token` for every request that samples."""
+    out = scheduler.schedule()
+    sampled = {item.request_id: token for item in out.scheduled if item.sample}
+    scheduler.update_from_output(out, sampled, requests)
+    return [(item.request_id, len(item.token_ids), item.sample) for item in out.scheduled]
+
+
+def test_prefill_is_chunked_by_the_token_budget():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=4)
+    a = request("a", 20)
+    scheduler.add(a)
+    assert step(scheduler, {"a": a}) == [("a", 8, False)]
+    assert step(scheduler, {"a": a}) == [("a", 8, False)]
+    assert step(scheduler, {"a": a}) == [("a", 4, True)]
+    assert a.num_computed_tokens == 20 and a.output_token_ids == [7]
+    assert kv.get_slots("a") == list(range(20))  # blocks 0-4 in order; the sampled token gets its slot next step
+
+
+def test_decodes_go_first_and_prefills_share_what_is_left():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=4)
+    a, b = request("a", 3), request("b", 12, start=200)
+    requests = {"a": a, "b": b}
+    scheduler.add(a)
+    assert step(scheduler, requests) == [("a", 3, True)]
+    scheduler.add(b)
+    assert step(scheduler, requests) == [("a", 1, True), ("b", 7, False)]
+    assert step(scheduler, requests) == [("a", 1, True), ("b", 5, True)]
+
+
+def test_the_newest_running_request_is_preempted_and_recomputed():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)
+    a, b = request("a", 8, max_tokens=8), request("b", 7, max_tokens=8, start=200)
+    requests = {"a": a, "b": b}
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler, requests) == [("a", 8, True), ("b", 7, True)]
+    assert kv.pool.num_free == 0
+    # a's 9th token needs a third block: b (newest) is preempted, its blocks freed
+    assert step(scheduler, requests) == [("a", 1, True)]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert scheduler.waiting[0] is b and b.num_cached_tokens is None
+    assert b.output_token_ids == [7]  # kept: it is recomputed with its prompt
+
+
+def test_a_prepared_table_enters_through_the_query_and_the_commit():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)
+    a = request("a", 10)
+    kv.create_table("a")
+    kv.append_private_slots("a", 9)  # a round prefill computed tokens [0, 9)
+    kv.mark_prepared("a", num_tokens=9, num_cached=6)
+    computed = kv.find_computed("a", a.token_ids, "")
+    assert (computed.num_tokens, computed.num_cached) == (9, 6)
+    assert kv.find_computed("a", a.token_ids, "") == computed  # a query changes nothing
+    scheduler.add(a)
+    assert step(scheduler, {"a": a}) == [("a", 1, True)]  # only the last prompt token
+    assert a.num_cached_tokens == 6 and a.num_computed_tokens == 10
+    assert "a" not in kv.prepared
+
+
+def test_prepared_tables_that_block_everything_are_dropped_not_deadlocked():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=1)
+    a, b = request("a", 10), request("b", 10, start=200)
+    for r in (a, b):
+        kv.create_table(r.request_id)
+        kv.append_private_slots(r.request_id, 8)
+        kv.mark_prepared(r.request_id, 8, 8)
+        scheduler.add(r)
+    assert kv.pool.num_free == 0  # a needs a third block; only b's prepared table could give it
+    assert step(scheduler, {"a": a, "b": b}) == [("a", 2, True)]
+    assert not kv.has("b") and "b" not in kv.prepared  # b will be computed from scratch
+
+
+def test_nothing_fits_and_nothing_to_drop_is_a_capacity_error():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    kv.create_table(RecallKey("x"))
+    kv.append_private_slots(RecallKey("x"), 8)
+    kv.keep(RecallKey("x"), pinned=True)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)
+    scheduler.add(request("a", 3))
+    with pytest.raises(CapacityError):
+        scheduler.schedule()
+
+
+def test_kept_tables_are_evicted_least_recently_kept_first_and_pinned_never():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    for agent in ("old", "pinned", "new"):
+        kv.create_table(agent)
+        kv.append_private_slots(agent, 4)
+        kv.keep(agent, key=SessionKey(agent), payload=f"{agent} payload", pinned=agent == "pinned")
+    assert kv.find_kept(SessionKey) == {SessionKey(a): f"{a} payload" for a in ("old", "pinned", "new")}
+    assert kv.pool.num_free == 1
+    assert kv.allocate_slots("r", 8, 0) is not None  # needs one more block: "old" goes
+    assert not kv.has(SessionKey("old")) and kv.num_evictions == 1
+    assert kv.allocate_slots("s", 4, 0) is not None  # then "new"; "pinned" stays
+    assert not kv.has(SessionKey("new")) and kv.has(SessionKey("pinned"))
+    assert kv.allocate_slots("t", 4, 0) is None  # only the pinned one is left: nothing changes
+    assert kv.num_evictions == 2 and kv.has(SessionKey("pinned"))
+    assert kv.unkeep(SessionKey("pinned"), "agent-request") == "pinned payload"
+    assert kv.has("agent-request") and not kv.find_kept(SessionKey)
+
+
+def span(key: str, start: int, length: int) -> PromptSpan:
+    return PromptSpan(start, start + length, key.encode(), key.encode())
+
+
+def agent(name: str, spans: list[PromptSpan]) -> AgentPrefill:
+    turn = TokenizedTurn(name, "", list(range(200)), spans)
+    prefill = AgentPrefill(name, turn, 0)
+    prefill.reused_spans = list(range(len(spans)))
+    return prefill
+
+
+def test_masters_cover_widely_shared_spans_and_skip_chance_overlaps():
+    a = agent("a", [span("x", 10, 40), span("y", 60, 40)])
+    b = agent("b", [span("y", 10, 40), span("x", 60, 40)])
+    c = agent("c", [span("x", 5, 40), span("y", 50, 40), span("rare", 100, 10)])
+    d = agent("d", [span("rare", 20, 10)])
+    masters = _choose_masters([a, b, c, d])
+    assert masters == [c]  # holds every span; "rare" (2 holders) is not worth a second master
+
+
+def test_selectors_pick_their_tokens():
+    deviation = torch.tensor([0.0, 5.0, 1.0, 9.0, 0.5, 0.1, 3.0, 0.2, 0.0, 0.0])
+    assert make_selector("epic", 0.3).select(10, None) == [0, 1, 2]
+    assert make_selector("cacheblend", 0.3).select(10, deviation) == [1, 3, 6]
+    assert make_selector("cacheblend", 0.3).select(10, None) == [0, 1, 2]  # no check pass ran
+    assert make_selector("cacheblend-block", 0.2, ).select(10, deviation) in ([0, 1], [2, 3])
+    assert make_selector("cacheblend", 1.0).select(4, deviation[:4]) == [0, 1, 2, 3]
+    assert make_selector("epic", 0.0).select(10, None) == []

@@ -1,0 +1,102 @@
+"""Small C kernels for what torch has no fused op for, built at first use with the machine's C
+compiler (`gcc -O3 -march=native -fopenmp`) into a per-machine cache and called through ctypes.
+Where no compiler is found or the build fails, `load()` returns None and callers use eager ops.
+
+`TOKENDANCE_KERNELS=0` turns them off; `TOKENDANCE_CACHE` moves the cache (default
+~/.cache/tokendance).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tokendance")
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOKENDANCE_CACHE") or Path.home() / ".cache" / "tokendance") / "kernels"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("TOKENDANCE_KERNELS", "1").strip().lower() in ("0", "false", "no"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        logger.warning("no C compiler found: paged decode attention runs in eager torch ops")
+        return None
+    source = SOURCE.read_bytes()
+    # -march=native: the binary is only valid on this kind of CPU, so the CPU is in the key
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    library = cache_dir() / f"paged_decode-{key}.so"
+    try:
+        if not library.exists():
+            library.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+                built = Path(tmp) / library.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(built, library)  # atomic: concurrent builders never see half a file
+        lib = ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("building the paged decode kernel failed, using eager torch ops: %s", detail)
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return os.uname().machine
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [B, Hq, D] float32, contiguous
+    key_cache: torch.Tensor,  # [S, Hkv, D] float32 or bfloat16
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B, W] int64, row b valid for its first lengths[b] columns
+    lengths: torch.Tensor,  # [B] int64
+    slot_positions: torch.Tensor,  # [S] int64
+    shift_cos: torch.Tensor,  # [2 * max_shift + 1, D / 2] float32
+    shift_sin: torch.Tensor,
+    max_shift: int,
+    scale: float,
+    stats: torch.Tensor | None = None,  # [2] int64, out: KV rows loaded, and rows a per-request read loads
+) -> torch.Tensor:  # [B, Hq, D] float32
+    batch, num_heads, dim = q.shape
+    out = torch.empty_like(q)
+    stats = torch.zeros(2, dtype=torch.int64) if stats is None else stats
+    status = lib.paged_decode_attention(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
+        slots.data_ptr(), lengths.data_ptr(), slots.shape[1], slot_positions.data_ptr(),
+        shift_cos.data_ptr(), shift_sin.data_ptr(), max_shift, batch, num_heads, key_cache.shape[1], dim,
+        scale, torch.get_num_threads(), out.data_ptr(), stats.data_ptr(),
+    )
+    if status == -2:
+        raise MemoryError("paged decode attention could not allocate its work space")
+    if status != 0:
+        raise ValueError(f"paged decode attention does not support {num_heads} heads over {key_cache.shape[1]} "
+                         f"KV heads of dimension {dim}")
+    return out

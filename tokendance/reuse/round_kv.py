@@ -1,0 +1,238 @@
+"""The machinery every reuse policy shares: an agent's prompt while its KV is prepared
+(`AgentPrefill`), the KV operations of a round prefill (`RoundKV`), and the policy interface.
+
+A `ReusePolicy` (one per mode, chosen once) prepares each agent's table before the scheduler
+computes its last prompt token and decodes: `open_table` (the table starts from what the agent's
+session or the prefix cache holds), `prefill` (all agents of a round together), `finish` (after
+the prefill, before the scheduler takes the tables over). Policies are given the KV manager and
+the runner explicitly (through `RoundKV`); agent sessions are kept tables of the KV manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokendance.batch import ScheduledRequest, SchedulerOutput
+from tokendance.errors import CapacityError
+from tokendance.kv.manager import KVCacheManager, RecallKey, ScratchKey
+from tokendance.model.runner import ModelRunner
+from tokendance.reuse.segments import PromptSpan, TokenizedTurn
+from tokendance.reuse.selection import Selector
+
+
+@dataclass
+class Session:
+    """What an agent's kept table (`SessionKey`) holds: `token_ids` (prompt + output so far) and
+    the segments of its last prompt, for recall."""
+
+    token_ids: list[int]
+    last_round: int
+    spans: list[PromptSpan] = field(default_factory=list)
+
+
+@dataclass
+class AgentPrefill:
+    """One agent's prompt while its KV is prepared. Its table (`table_id`) already holds the
+    `num_reused_prefix` tokens a session or the prefix cache provided."""
+
+    table_id: str
+    turn: TokenizedTurn
+    num_reused_prefix: int
+    selected: dict[int, list[int]] = field(default_factory=dict)  # span index -> offsets
+    reused_spans: list[int] = field(default_factory=list)  # indices of spans served from shared KV
+    # Segments of the agent's previous prompt, by content: their slots (held for the prefill),
+    # so a segment that moved (retrieved memories, a feed) is reused like a shared span.
+    recall: dict[bytes, list[int]] = field(default_factory=dict)
+    recall_table: RecallKey | None = None  # the table holding the recalled slots until they are copied
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.turn.token_ids
+
+    @property
+    def num_prepared(self) -> int:
+        """Tokens this prefill covers: all but the last (the scheduler computes it and samples)."""
+        return len(self.turn.token_ids) - 1
+
+    @property
+    def num_cached(self) -> int:
+        """Prompt tokens not computed in this prefill (what usage reports as cached)."""
+        reused = sum(self.turn.spans[i].end - self.turn.spans[i].start - len(self.selected.get(i, ()))
+                     for i in self.reused_spans)
+        return self.num_reused_prefix + reused
+
+    def spans_to_reuse(self) -> list[int]:
+        """Spans after the reused prefix that are shared in the round or recalled from the
+        agent's previous prompt."""
+        end = self.num_prepared
+        return [
+            i for i, s in enumerate(self.turn.spans)
+            if (s.key is not None or s.content in self.recall) and s.start >= self.num_reused_prefix and s.end <= end
+        ]
+
+
+@dataclass
+class PrefillReport:
+    """Seconds per phase and tokens computed (in full-model token equivalents)."""
+
+    lookup_seconds: float = 0.0  # base KV of shared spans (+ position-corrected copies in pic)
+    selection_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    computed_tokens: float = 0.0
+    recomputed_tokens: int = 0  # selected tokens of reused spans
+    reused_tokens: int = 0  # tokens of reused spans served from shared KV
+
+
+class RoundKV:
+    """KV operations of a round prefill on one engine's KV manager and runner, and the round's
+    master registry."""
+
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner, selector: Selector, check_layer: int,
+                 max_batch_tokens: int):
+        self.kv = kv
+        self.runner = runner
+        self.selector = selector
+        self.check_layer = check_layer
+        self.max_batch_tokens = max_batch_tokens
+        self.num_layers = len(runner.model.layers)
+        # span key -> (table id, first token, length) of its master: the span as the first agent
+        # holding it computed it, in that agent's own context (see KVCollector)
+        self.masters: dict[bytes, tuple[str, int, int]] = {}
+
+    # ------------------------------------------------------------ allocation
+
+    def private_slots(self, table_id: str, count: int) -> list[int]:
+        """Fresh slots (the KV manager evicts idle sessions if it must), else CapacityError."""
+        slots = self.kv.append_private_slots(table_id, count)
+        if slots is None:
+            raise CapacityError(f"the KV pool cannot hold this round ({count} more tokens needed)")
+        return slots
+
+    def release_masters(self) -> None:
+        """Forget this round's masters (their blocks live on while any table references them) and
+        free what is left of recalled segments."""
+        self.masters.clear()
+        for table_id in list(self.kv.find_kept(RecallKey)):
+            self.kv.free(table_id)
+
+    def register_masters(self, agent: "AgentPrefill") -> None:
+        """Make the agent's computed shared spans the masters of spans not mastered yet."""
+        for index in agent.spans_to_reuse():
+            span = agent.turn.spans[index]
+            if span.key is not None and span.key not in self.masters:
+                self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
+
+    def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
+        """Base KV of a reused span: the round's master if shared, else the agent's recall."""
+        span = agent.turn.spans[index]
+        if span.key in self.masters:
+            return self.master_slots(span.key)
+        return agent.recall[span.content]
+
+    # ------------------------------------------------------------ forward passes
+
+    def run(self, items: list[ScheduledRequest], num_layers: int | None = None) -> None:
+        """Forward `items` in groups of about `max_batch_tokens` new tokens."""
+        group: list[ScheduledRequest] = []
+        tokens = 0
+        for item in items:
+            if group and tokens + len(item.token_ids) > self.max_batch_tokens:
+                self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
+                group, tokens = [], 0
+            group.append(item)
+            tokens += len(item.token_ids)
+        if group:
+            self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
+
+    def master_slots(self, key: bytes) -> list[int]:
+        table_id, start, length = self.masters[key]
+        return self.kv.get_slots(table_id)[start:start + length]
+
+    def check_keys(self, agents: list[AgentPrefill]) -> list[torch.Tensor]:
+        """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
+        its real context through the first check_layer+1 layers, in scratch slots."""
+        scratch = []
+        items = []
+        try:
+            for index, agent in enumerate(agents):
+                table_id = ScratchKey(index)
+                self.kv.create_table(table_id)
+                scratch.append(table_id)
+                self.kv.append_shared_slots(table_id, self.kv.get_slots(agent.table_id)[: agent.num_reused_prefix])
+                new = range(agent.num_reused_prefix, agent.num_prepared)
+                self.private_slots(table_id, len(new))
+                slots = self.kv.get_slots(table_id)
+                items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
+            self.run(items, num_layers=self.check_layer + 1)
+            return [
+                self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
+                for item in items
+            ]
+        finally:
+            for table_id in scratch:
+                self.kv.free(table_id)
+
+    def deviation(self, fresh: torch.Tensor, slots: list[int], positions: range) -> torch.Tensor:
+        cached = self.runner.read_keys(self.check_layer, slots, list(positions))
+        return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
+
+    def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]]) -> int:
+        """Compute the given positions of each agent through all layers over its fused table."""
+        items = []
+        for agent in agents:
+            positions = positions_of(agent)
+            if not positions:
+                continue
+            slots = self.kv.get_slots(agent.table_id)[: positions[-1] + 1]
+            token_ids = [agent.token_ids[p] for p in positions]
+            items.append(ScheduledRequest(agent.table_id, token_ids, positions, slots, False, None))
+        self.run(items)
+        return sum(len(i.token_ids) for i in items)
+
+
+def private_positions(agent: AgentPrefill) -> list[int]:
+    """Positions of [prefix, L-1) that are not served from shared KV: private text and the
+    selected tokens of reused spans."""
+    reused = set()
+    for index in agent.reused_spans:
+        span = agent.turn.spans[index]
+        chosen = set(agent.selected.get(index, ()))
+        reused.update(span.start + o for o in range(span.end - span.start) if o not in chosen)
+    return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
+
+
+def count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:
+    for agent in agents:
+        for index in agent.reused_spans:
+            span = agent.turn.spans[index]
+            selected = len(agent.selected.get(index, ()))
+            report.recomputed_tokens += selected
+            report.reused_tokens += span.end - span.start - selected
+
+
+class ReusePolicy:
+    """How a mode prepares a round's tables. The base (`full`, `prefix`) prepares nothing: the
+    scheduler computes whole prompts (with prefix caching in `prefix`)."""
+
+    prepares_tables = False  # False: the scheduler computes whole prompts
+    keeps_sessions = False  # True: agents' tables are kept between rounds (SessionKey)
+
+    def __init__(self, name: str, round_kv: RoundKV):
+        self.name = name
+        self.round_kv = round_kv
+
+    def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
+        """Create the table `request_id` holding what is reusable as a prefix; nothing computed."""
+        raise NotImplementedError
+
+    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+        return PrefillReport()
+
+    def finish(self, agent: AgentPrefill) -> None:
+        """Once the agent's table covers [0, L-1), before the scheduler takes it over."""
+
+    def end_round(self) -> None:
+        self.round_kv.release_masters()
