@@ -23,6 +23,7 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
+#define MAX_HEADS 16 /* KV heads */
 #define CHUNK 64
 #define MIN_SHARED_RUN 8 /* shorter runs stay in their request's private item */
 
@@ -110,97 +111,149 @@ static void init_states(const Context *c, State *states) {
 }
 
 /* Fold one chunk of scores (turned into weights in place) into the states; values come after. */
-static void softmax_chunk(const Context *c, float scores[][CHUNK], int64_t n, State *states) {
-    for (int64_t g = 0; g < c->group; g++) {
+static inline __attribute__((always_inline)) void softmax_chunk(int64_t dim, int64_t group, float scores[][CHUNK],
+                                                                int64_t n, State *states) {
+    for (int64_t g = 0; g < group; g++) {
         State *s = &states[g];
         float chunk_max = s->max;
         for (int64_t k = 0; k < n; k++) chunk_max = scores[g][k] > chunk_max ? scores[g][k] : chunk_max;
         const float correction = exp_nonpositive(s->max - chunk_max);
         s->sum *= correction;
-        for (int64_t i = 0; i < c->dim; i++) s->acc[i] *= correction;
+        for (int64_t i = 0; i < dim; i++) s->acc[i] *= correction;
         s->max = chunk_max;
         float sum = 0.0f;
-        for (int64_t k = 0; k < n; k++) {
-            scores[g][k] = exp_nonpositive(scores[g][k] - chunk_max);
+        for (int64_t k = 0; k < CHUNK; k++) {
+            scores[g][k] = k < n ? exp_nonpositive(scores[g][k] - chunk_max) : 0.0f;
             sum += scores[g][k];
         }
         s->sum += sum;
     }
 }
 
-static inline void add_values(const Context *c, float weights[][CHUNK], int64_t k, const float *value, State *states) {
-    for (int64_t g = 0; g < c->group; g++) {
-        const float w = weights[g][k];
-        for (int64_t i = 0; i < c->dim; i++) states[g].acc[i] += w * value[i];
+/* One chunk of n <= CHUNK keys (transposed: kt[i * CHUNK + k], zero beyond n) and values
+ * (v[k * dim + i]) against the group's rotated queries: scores vectorize over the keys, the
+ * weighted sum over the head dimension. */
+static inline __attribute__((always_inline)) void attend_chunk(int64_t dim, int64_t group, float q[][MAX_DIM],
+                                                               const float *restrict kt, const float *restrict v,
+                                                               int64_t n, State *restrict states) {
+    float scores[MAX_GROUP][CHUNK];
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t k = 0; k < CHUNK; k++) scores[g][k] = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            const float qi = q[g][i];
+            for (int64_t k = 0; k < CHUNK; k++) scores[g][k] += qi * kt[i * CHUNK + k];
+        }
+    }
+    softmax_chunk(dim, group, scores, n, states);
+    for (int64_t g = 0; g < group; g++) {
+        float acc[MAX_DIM];
+        for (int64_t i = 0; i < dim; i++) acc[i] = states[g].acc[i];
+        for (int64_t k = 0; k < n; k++) {
+            const float w = scores[g][k];
+            for (int64_t i = 0; i < dim; i++) acc[i] += w * v[k * dim + i];
+        }
+        for (int64_t i = 0; i < dim; i++) states[g].acc[i] = acc[i];
     }
 }
 
-/* A request's private keys: its columns not covered by a shared run (shared[j] == 0). */
-static void private_item(const Context *c, const float *q, const int64_t *slots, const uint8_t *shared,
-                         int64_t length, int64_t head, State *states) {
-    float rotated[MAX_GROUP][MAX_DIM], scores[MAX_GROUP][CHUNK], row[MAX_DIM];
+static inline __attribute__((always_inline)) void load_key_transposed(const Context *c, int64_t dim, int64_t slot,
+                                                                      int64_t head, int64_t k, float *kt) {
+    float row[MAX_DIM];
+    load_row(c, c->keys, slot, head, row);
+    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = row[i];
+}
+
+/* A request's private keys: its columns not covered by a shared run (shared[j] == 0), in chunks
+ * of keys with one shift (the queries are rotated when it changes). All KV heads per chunk, so the
+ * chunk's rows are read from memory once. states: [num_heads]. */
+static inline __attribute__((always_inline)) void private_item(const Context *c, int64_t dim, int64_t group,
+                                                               const float *q, const int64_t *slots,
+                                                               const uint8_t *shared, int64_t length,
+                                                               State *states) {
+    const int64_t num_kv_heads = c->num_kv_heads;
+    float rotated[MAX_HEADS][MAX_GROUP][MAX_DIM];
+    float kt[MAX_DIM * CHUNK] __attribute__((aligned(64))), v[CHUNK * MAX_DIM] __attribute__((aligned(64)));
     int64_t columns[CHUNK];
     int64_t current_shift = 0;
-    rotate_queries(c, q, 0, rotated);
-    init_states(c, states);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        rotate_queries(c, q + h * group * dim, 0, rotated[h]);
+        init_states(c, states + h * group);
+    }
     int64_t j = 0;
     while (j < length) {
-        int64_t n = 0;
+        int64_t n = 0, chunk_shift = 0;
         for (; j < length && n < CHUNK; j++) {
             if (shared[j]) continue;
-            const int64_t slot = slots[j], shift = j - c->slot_positions[slot];
-            if (shift != current_shift) {
-                rotate_queries(c, q, shift, rotated);
-                current_shift = shift;
-            }
-            load_row(c, c->keys, slot, head, row);
-            for (int64_t g = 0; g < c->group; g++) {
-                float score = 0.0f;
-                for (int64_t i = 0; i < c->dim; i++) score += rotated[g][i] * row[i];
-                scores[g][n] = score;
+            const int64_t shift = j - c->slot_positions[slots[j]];
+            if (n == 0) {
+                chunk_shift = shift;
+            } else if (shift != chunk_shift) {
+                break; /* the next chunk starts here, with its own rotation */
             }
             columns[n++] = j;
         }
         if (n == 0) break;
-        softmax_chunk(c, scores, n, states);
-        for (int64_t k = 0; k < n; k++) {
-            load_row(c, c->values, slots[columns[k]], head, row);
-            add_values(c, scores, k, row, states);
+        if (chunk_shift != current_shift) {
+            for (int64_t h = 0; h < num_kv_heads; h++) rotate_queries(c, q + h * group * dim, chunk_shift, rotated[h]);
+            current_shift = chunk_shift;
+        }
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t k = 0; k < CHUNK; k++) {
+                if (k < n) {
+                    load_key_transposed(c, dim, slots[columns[k]], h, k, kt);
+                    load_row(c, c->values, slots[columns[k]], h, v + k * dim);
+                } else {
+                    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = 0.0f;
+                }
+            }
+            attend_chunk(dim, group, rotated[h], kt, v, n, states + h * group);
         }
     }
 }
 
-/* A run of consecutive slots read by several requests: each key and value chunk loaded once. */
-static void shared_item(const Context *c, const float *q, const Run *run, const Reader *readers, int64_t head,
-                        State *states /* [num_readers][group] */) {
-    float rotated[MAX_GROUP][MAX_DIM], scores[MAX_GROUP][CHUNK];
-    float *keys = malloc(sizeof(float) * CHUNK * c->dim), *values = malloc(sizeof(float) * CHUNK * c->dim);
-    for (int64_t r = 0; r < run->num_readers; r++) init_states(c, states + r * c->group);
+/* A run of consecutive slots read by several requests: each chunk of keys and values loaded
+ * once, for all readers and all KV heads. states: [readers][num_heads]. */
+static inline __attribute__((always_inline)) void shared_item(const Context *c, int64_t dim, int64_t group,
+                                                              const float *q, const Run *run, const Reader *readers,
+                                                              State *states) {
+    const int64_t num_kv_heads = c->num_kv_heads, num_heads = c->num_heads;
+    float rotated[MAX_GROUP][MAX_DIM];
+    float kt[MAX_DIM * CHUNK] __attribute__((aligned(64))), v[CHUNK * MAX_DIM] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < run->num_readers; r++)
+        for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + r * num_heads + h * group);
     for (int64_t start = 0; start < run->length; start += CHUNK) {
         const int64_t n = run->length - start < CHUNK ? run->length - start : CHUNK;
-        for (int64_t k = 0; k < n; k++) {
-            load_row(c, c->keys, run->slot_start + start + k, head, keys + k * c->dim);
-            load_row(c, c->values, run->slot_start + start + k, head, values + k * c->dim);
-        }
-        int64_t e = run->first_reader;
-        for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
-            const Reader *reader = &readers[e];
-            rotate_queries(c, q + (reader->request * c->num_heads + head * c->group) * c->dim, reader->shift, rotated);
-            for (int64_t k = 0; k < n; k++) {
-                const float *key = keys + k * c->dim;
-                for (int64_t g = 0; g < c->group; g++) {
-                    float score = 0.0f;
-                    for (int64_t i = 0; i < c->dim; i++) score += rotated[g][i] * key[i];
-                    scores[g][k] = score;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t k = 0; k < CHUNK; k++) {
+                if (k < n) {
+                    load_key_transposed(c, dim, run->slot_start + start + k, h, k, kt);
+                    load_row(c, c->values, run->slot_start + start + k, h, v + k * dim);
+                } else {
+                    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = 0.0f;
                 }
             }
-            State *s = states + r * c->group;
-            softmax_chunk(c, scores, n, s);
-            for (int64_t k = 0; k < n; k++) add_values(c, scores, k, values + k * c->dim, s);
+            int64_t e = run->first_reader;
+            for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
+                const Reader *reader = &readers[e];
+                rotate_queries(c, q + (reader->request * num_heads + h * group) * dim, reader->shift, rotated);
+                attend_chunk(dim, group, rotated, kt, v, n, states + r * num_heads + h * group);
+            }
         }
     }
-    free(keys);
-    free(values);
+}
+
+static inline __attribute__((always_inline)) void work_item(
+    const Context *c, int64_t dim, int64_t group, int64_t index, const float *q, const int64_t *slots,
+    const uint8_t *shared, const int64_t *lengths, int64_t width, int64_t batch, const Run *runs,
+    const Reader *readers, const int64_t *offsets, State *partials) {
+    const int64_t num_heads = c->num_heads;
+    if (index < batch) { /* request `index`'s private keys */
+        private_item(c, dim, group, q + index * num_heads * dim, slots + index * width, shared + index * width,
+                     lengths[index], partials + index * num_heads);
+        return;
+    }
+    const int64_t u = index - batch; /* shared run u */
+    shared_item(c, dim, group, q, &runs[u], readers, partials + offsets[u] * num_heads);
 }
 
 /* q:        [batch, num_heads, dim] float32, rotated for each request's own position
@@ -218,7 +271,8 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
                            int64_t max_shift, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                            int64_t dim, float scale, int num_threads, float *out, int64_t *stats) {
     const int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || dim > MAX_DIM || dim % 2 || group * num_kv_heads != num_heads) return -1;
+    if (group > MAX_GROUP || dim > MAX_DIM || num_kv_heads > MAX_HEADS || dim % 2 || group * num_kv_heads != num_heads)
+        return -1;
     Context c = {keys, values, bf16, slot_positions, shift_cos, shift_sin, max_shift, num_heads, num_kv_heads,
                  group, dim, scale};
 
@@ -284,22 +338,13 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     for (int64_t u = 0; u < num_shared; u++) offsets[u + 1] = offsets[u] + runs[u].num_readers;
 
     /* 2. Every work item, in parallel: private items (request, head), shared items (run, head). */
-    const int64_t num_items = (batch + num_shared) * num_kv_heads;
+    const int64_t num_items = batch + num_shared;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t item = 0; item < num_items; item++) {
-        const int64_t head = item % num_kv_heads, index = item / num_kv_heads;
-        if (index < batch) {
-            private_item(&c, q + (index * num_heads + head * group) * dim, slots + index * width,
-                         shared + index * width, lengths[index], head, partials + (index * num_heads + head * group));
-        } else {
-            const int64_t u = index - batch;
-            State *states = malloc(sizeof(State) * runs[u].num_readers * group);
-            shared_item(&c, q, &runs[u], readers, head, states);
-            for (int64_t r = 0; r < runs[u].num_readers; r++)
-                memcpy(partials + ((offsets[u] + r) * num_heads + head * group), states + r * group,
-                       sizeof(State) * group);
-            free(states);
-        }
+        if (dim == 64 && group == 3) /* SmolLM2's shape, with the sizes known to the compiler */
+            work_item(&c, 64, 3, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, partials);
+        else
+            work_item(&c, dim, group, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, partials);
     }
 
     /* 3. Merge each request's partial states by log-sum-exp, and normalize. */
