@@ -190,3 +190,36 @@ def test_unknown_or_invalid_model_paths_name_the_problem(tmp_path):
         LLM(str(gpt2))
     with pytest.raises(InvalidRequestError, match="unknown engine arguments"):
         LLM(kv_cache_size=5)
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(make_llm, monkeypatch):
+    """A failure injected into one request's sampling: that request finishes with "error", every
+    other request of the busy batch (and of a round) completes with its normal output."""
+    from tokendance.sampling import Sampler
+    from tests.test_rounds import round_turns
+
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
+    sampled = SamplingParams(temperature=0.7, seed=3, max_tokens=6)
+    prompts = ["The sky is", "Name three rivers:", "Once upon a time", "The capital of Peru is"]
+    params = [GREEDY, sampled, GREEDY, GREEDY]
+    want = llm.generate(prompts, params)
+    bad = llm.engine.add_request("Tell me a story", sampled)
+    original = Sampler._sample_row
+
+    def failing(self, logits, request_id, p):
+        if request_id == bad or request_id.endswith(bad):
+            raise RuntimeError("injected failure")
+        return original(self, logits, request_id, p)
+
+    monkeypatch.setattr(Sampler, "_sample_row", failing)
+    got = llm.generate(prompts, params)  # `bad` runs in the same batches
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not llm.engine.has_unfinished
+    turns = round_turns(1)
+    reference = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2).run_round(turns, GREEDY)
+    round_params = [GREEDY, sampled, GREEDY, GREEDY]
+    bad = f":{turns[1].agent_id}"  # round requests are named "round{index}:{agent}"
+    result = llm.run_round(turns, round_params)
+    assert result.outputs[1].finish_reason == "error" and "injected" in result.outputs[1].error
+    for i in (0, 2, 3):
+        assert result.outputs[i].token_ids == reference.outputs[i].token_ids

@@ -341,6 +341,20 @@ BAD_CHATS = [  # (fields replacing the defaults, status, expected param, expecte
     ({"n": 2}, 400, "n", "unsupported_parameter"),
     ({"round_size": 3}, 400, "round_size", None),
     ({"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context_length_exceeded"),
+    # values the sampler or tokenizer cannot take, and loose types OpenAI rejects
+    ({"temperature": 1e308}, 400, "temperature", "invalid_value"),
+    ({"temperature": float("inf")}, 400, "temperature", "invalid_value"),
+    ({"seed": 2**70}, 400, "seed", "invalid_value"),
+    ({"seed": -(2**70)}, 400, "seed", "invalid_value"),
+    ({"max_tokens": "10"}, 400, "max_tokens", None),
+    ({"stream": "yes"}, 400, "stream", None),
+    ({"ignore_eos": "yes"}, 400, "ignore_eos", None),
+    ({"top_k": 2.5}, 400, "top_k", None),
+    ({"stop": ["x"] * 65}, 400, "stop", None),
+    ({"messages": [{"role": "user", "content": "hi \ud800 there"}]}, 400, "messages.0.content", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a \udfff"}]}]}, 400,
+     "messages.0.content", "invalid_value"),
+    ({"stop": "\ud800"}, 400, "stop", "invalid_value"),
 ]
 
 
@@ -351,6 +365,31 @@ def test_bad_chat_requests(server, fields, status, param, code):
     assert got == status, error
     assert set(error["error"]) == {"message", "type", "param", "code"} and error["error"]["message"]
     assert (error["error"]["param"], error["error"]["code"]) == (param, code)
+
+
+def test_hostile_values_fail_alone(server):
+    """A request with a degenerate temperature runs (greedy) next to others, which all complete;
+    a huge model name or a tool schema is never echoed back whole."""
+    bodies = [chat_body(server, temperature=1e-39, max_tokens=4)] + [chat_body(server, temperature=0, max_tokens=4)] * 3
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: server.post("/v1/chat/completions", b), bodies))
+    assert [status for status, _ in answers] == [200] * len(bodies)
+    assert answers[0][1]["choices"][0]["message"]["content"] == answers[1][1]["choices"][0]["message"]["content"]
+    status, error = server.post("/v1/chat/completions", chat_body(server, model="m" * 100_000))
+    assert status == 404 and len(error["error"]["message"]) < 300
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "x": "y" * 5000}}}
+    status, error = server.post("/v1/chat/completions", chat_body(server, tools=[tool]))
+    assert status == 400 and error["error"]["param"] == "tools" and "yyyy" not in error["error"]["message"]
+    for prompt in ([True], "x \ud800", ["ok", "\udc00"]):
+        status, error = server.post("/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 2})
+        assert status == 400 and error["error"]["param"].startswith("prompt"), error
+    status, error = server.post("/v1/completions", {"model": server.model, "prompt": ["a"] * 129, "max_tokens": 1})
+    assert status == 400 and error["error"]["param"] == "prompt"
+    status, error = server.post("/v1/rounds", {"model": server.model, "max_tokens": 2, "agents": [
+        {"agent_id": "ok", "messages": [{"role": "user", "content": "hi"}]},
+        {"agent_id": "bad", "messages": [{"role": "user", "content": "\ud800"}]}]})
+    assert status == 400 and error["error"]["param"] == "messages.0.content"
+    assert server.request("GET", "/health")[0] == 200
 
 
 @pytest.mark.parametrize("path,raw,status,code", [

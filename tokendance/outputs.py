@@ -12,7 +12,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache, a session or shared KV
     num_generated_tokens: int
@@ -22,6 +22,7 @@ class RequestOutput:
     finish_time: float | None = None
     logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
     agent_id: str | None = None  # set for the turn of an agent in a round
+    error: str | None = None  # why, when finish_reason is "error" (its computation raised)
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ from tokendance.errors import InvalidRequestError
 class SamplingParams:
     """How to pick each next token and when to stop. Invalid values raise `InvalidRequestError`.
 
-    temperature 0 is greedy; top_k <= 0 and top_p == 1 disable those filters; max_tokens None
+    temperature 0 (or below 1e-5, where logits / temperature would overflow) is greedy; top_k <= 0
+    and top_p == 1 disable those filters; max_tokens None
     means "until the context window is full"; `seed` makes a sampled output reproducible
     whatever else shares its batches.
     """
@@ -31,13 +33,14 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
@@ -53,7 +56,10 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+GREEDY_BELOW = 1e-5  # temperatures this small sample the argmax anyway; dividing by them overflows
 
 
 def _check(ok: bool, message: str) -> None:
@@ -96,6 +102,17 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The seeded generators' states, to rewind a step that failed half way."""
+        return {request_id: g.get_state() for request_id, g in self._generators.items()}
+
+    def restore(self, states: dict[str, torch.Tensor]) -> None:
+        for request_id, state in states.items():
+            if request_id in self._generators:
+                self._generators[request_id].set_state(state)
+        for request_id in self._generators.keys() - states.keys():  # created by the failed step
+            del self._generators[request_id]
 
     def _sample_row(self, logits: torch.Tensor, request_id: str, p: SamplingParams) -> int:
         logits = logits.float() / p.temperature

@@ -20,7 +20,8 @@ from tokendance.engine.request import Request, RequestStatus
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.kv.manager import KVCacheManager, SessionKey
-from tokendance.model.runner import ModelRunner
+from tokendance.batch import SchedulerOutput
+from tokendance.model.runner import ModelRunner, RunnerOutput
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
 from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
@@ -202,7 +203,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
+        sampling = self.runner.sampler.snapshot()
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # find the request(s) at fault; the others' step still runs
+            self.runner.sampler.restore(sampling)
+            out, result, failed = self._isolate(out, exc)
+        else:
+            failed = []
         now = time.perf_counter()
         for request_id, logits in result.logits.items():
             state, wanted = self._outputs[request_id], self.requests[request_id].sampling_params.return_logits
@@ -222,7 +230,42 @@ class LLMEngine:
                 del self.requests[request.request_id], self._outputs[request.request_id]
                 self.runner.release(request.request_id)
             outputs.append(self._output(request, state))
-        return outputs
+        return outputs + [self._fail(request_id, error, now) for request_id, error in failed]
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception):
+        """The batch failed: run each request of it alone (it rewrites its own new slots, so this is
+        safe; the step's copy-on-write copies are redone once first). Returns the batch of those
+        that ran, their merged result, and (id, error) of the others."""
+        if len(out.scheduled) == 1:
+            logger.exception("request %s failed in a step", out.scheduled[0].request_id)
+            return SchedulerOutput(), RunnerOutput({}, {}), [(out.scheduled[0].request_id, exc)]
+        kept, result, failed = SchedulerOutput(), RunnerOutput({}, {}), []
+        self.runner.copy_blocks(out.block_copies)  # once: the copied blocks as before the step
+        for item in out.scheduled:
+            sampling = self.runner.sampler.snapshot()
+            try:
+                alone = self.runner.execute(SchedulerOutput([item], [], len(item.token_ids)))
+            except Exception as error:
+                self.runner.sampler.restore(sampling)
+                logger.exception("request %s failed in a step", item.request_id)
+                failed.append((item.request_id, error))
+                continue
+            kept.scheduled.append(item)
+            result.sampled.update(alone.sampled)
+            result.logits.update(alone.logits)
+        return kept, result, failed
+
+    def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
+        """Finish a request whose computation raised, with finish_reason "error" and the reason."""
+        request = self.requests.pop(request_id)
+        self.scheduler.finish(request, "error")
+        self.runner.release(request_id)
+        state = self._outputs.pop(request_id)
+        state.finish_time = now
+        state.detokenizer.finish(request.output_token_ids)
+        output = self._output(request, state)
+        output.error = f"{type(error).__name__}: {error}"
+        return output
 
     def _output(self, request: Request, state: OutputState) -> RequestOutput:
         """`token_ids` and `logits` are the request's own growing lists (no per-step copies):

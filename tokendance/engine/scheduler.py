@@ -150,7 +150,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        if request.retain_kv and reason != "abort" and self.kv.has(request.request_id):
+        if request.retain_kv and reason not in ("abort", "error") and self.kv.has(request.request_id):
             self.kv.truncate(request.request_id, request.num_computed_tokens)
         else:
             self.kv.free(request.request_id)

@@ -43,6 +43,7 @@ from tokendance.server.protocol import (
     RoundRequest,
     chat_response,
     completion_response,
+    echo,
     round_response,
     usage,
 )
@@ -188,7 +189,7 @@ class Api:
 
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+            raise ApiError(404, f"model {echo(model)} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 
     def _check(self, body) -> None:

@@ -227,6 +227,9 @@ class EngineLoop:
         if output.finished:
             del routes[key]
             self.metrics.record_finished(output)
+        if output.finish_reason == "error":  # its computation raised: this request alone fails
+            route.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
+            return
         route.sink.put(route.index, output, route.round_info)
 
     def _abort(self, sink: Sink) -> None:

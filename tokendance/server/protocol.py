@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tokendance.errors import (
     CapacityError,
@@ -24,6 +24,10 @@ from tokendance.outputs import RequestOutput
 from tokendance.sampling import SamplingParams
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+Number = StrictInt | StrictFloat  # JSON numbers only: "0.5" or true are rejected, as OpenAI does
+MAX_STOP_STRINGS = 64
+MAX_PROMPTS = 128  # prompts in one /v1/completions request
+MAX_ECHO = 64  # characters of a client's value repeated in an error message
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
 
 
@@ -53,25 +57,48 @@ class ApiError(Exception):
 # ---------------------------------------------------------------- requests
 
 
+def echo(value) -> str:
+    """A client's value as an error message may repeat it: bounded."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "..."
+
+
+def check_text(text: str, param: str) -> str:
+    """Strings go to the tokenizer as UTF-8: a lone surrogate (valid as a JSON escape) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param,
+                       code="invalid_value") from None
+    return text
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by every generation request. `top_k`, `stop_token_ids` and
-    `ignore_eos` are extensions (vLLM spells them the same way)."""
+    `ignore_eos` are extensions (vLLM spells them the same way). Types are strict: a number must
+    be a JSON number, a flag a JSON boolean."""
 
     model_config = ConfigDict(extra="allow")
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    max_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=1024)
+    ignore_eos: StrictBool | None = None
 
     def sampling_params(self, default_max_tokens: int | None, **overrides) -> SamplingParams:
         values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         values.setdefault("max_tokens", default_max_tokens)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        temperature = values.get("temperature")
+        if isinstance(temperature, (int, float)) and not 0 <= temperature <= 2:
+            raise ApiError(400, f"temperature must be in [0, 2], got {echo(temperature)}", param="temperature",
+                           code="invalid_value")
+        for stop in [values["stop"]] if isinstance(values.get("stop"), str) else values.get("stop") or []:
+            check_text(stop, "stop")
         try:
             return SamplingParams(**values)
         except InvalidRequestError as exc:
@@ -96,12 +123,12 @@ class SamplingFields(BaseModel):
         }
         for name, rejected in unsupported.items():
             if name in extra and rejected(extra[name]):
-                raise ApiError(400, f"{name}={extra[name]!r} is not supported by this server", param=name,
+                raise ApiError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +146,7 @@ class ChatMessage(BaseModel):
             content = "".join(p["text"] for p in content)
         if content is None:
             raise ApiError(400, f"messages[{index}].content is required", param=f"messages.{index}.content")
+        check_text(content, f"messages.{index}.content")
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
@@ -127,13 +155,13 @@ class ChatCompletionRequest(SamplingFields):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    stream: bool = False
+    max_completion_tokens: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    agent_id: str | None = Field(default=None, min_length=1, max_length=256)
-    round_id: str | None = Field(default=None, min_length=1, max_length=256)
-    round_size: int | None = Field(default=None, ge=1, le=4096)
-    cache_salt: str | None = Field(default=None, min_length=1)
+    agent_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    round_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    round_size: StrictInt | None = Field(default=None, ge=1, le=4096)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [m.as_dict(i) for i, m in enumerate(self.messages)]
@@ -141,29 +169,31 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    stream: bool = False
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
+        prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
+                           param="prompt", code="invalid_value")
+        return [check_text(p, "prompt") if isinstance(p, str) else p for p in prompts]
 
 
 class RoundAgent(SamplingFields):
     """One agent of a /v1/rounds request; its sampling fields override the round's."""
 
-    agent_id: str = Field(min_length=1, max_length=256)
+    agent_id: StrictStr = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
 
 
 class RoundRequest(SamplingFields):
     model: str
     agents: list[RoundAgent] = Field(min_length=1, max_length=4096)
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
 
     def check_supported(self) -> None:
         super().check_supported()
