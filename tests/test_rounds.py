@@ -239,3 +239,18 @@ def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode):
     for ours, ref in zip(result.outputs, reference.outputs):
         assert ours.token_ids == ref.token_ids
         assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
+
+
+def test_ending_an_agent_during_its_round_drops_its_session_after_the_round(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
+    answers = []
+
+    def on_output(output):
+        if output.agent_id == "bo" and not answers:
+            answers.append((llm.rounds.is_running("bo"), llm.end_agent("bo")))
+
+    result = llm.rounds.run(round_turns(1), PARAMS, on_output)
+    assert answers == [(True, True)]
+    assert all(o.finish_reason in ("stop", "length") for o in result.outputs)  # its turn still finished
+    assert sorted(llm.rounds.sessions()) == ["ada", "cy", "di"]
+    assert not llm.end_agent("bo")

@@ -260,6 +260,27 @@ def test_declared_round_keeps_agent_sessions(server):
     assert server.request("DELETE", f"/v1/agents/{rid}-0")[0] == 404
 
 
+def test_any_agent_id_can_be_deleted_and_round_sizes_cannot_conflict(server):
+    client, rid = server.client(), salt()
+    agent = f"team/{rid}/ada"  # a "/" in an agent id
+    client.chat.completions.create(model=server.model, messages=villager(0), max_tokens=2, temperature=0,
+                                   extra_body={"agent_id": agent, "round_id": rid, "round_size": 1})
+    status, _, body = server.request("DELETE", f"/v1/agents/{agent}")
+    assert status == 200 and json.loads(body)["agent_id"] == agent
+    assert server.request("DELETE", f"/v1/agents/{agent}")[0] == 404
+
+    def declared(size: int):
+        return server.post("/v1/chat/completions", chat_body(server, temperature=0, round_id=rid + "-x",
+                                                             round_size=size))
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(declared, 3)  # waits for two more (or the round timeout)
+        time.sleep(0.5)
+        status, error = declared(2)
+        assert status == 409 and error["error"]["code"] == "round_conflict"
+        assert first.result()[0] == 200  # the conflicting request did not start it early
+
+
 def test_plain_concurrent_chats_sharing_messages_form_one_round(server):
     before = server.metrics()
     client, barrier = server.client(), threading.Barrier(4)
@@ -473,6 +494,13 @@ def test_api_key_required(guarded):
         guarded.client("wrong").chat.completions.create(model=guarded.model, messages=[{"role": "user", "content": "hi"}])
     assert guarded.client("sesame").models.list().data[0].id == guarded.model
     assert guarded.request("GET", "/health")[0] == 200  # probes need no key
+    assert guarded.request("GET", "/openapi.json")[0] == 401
+    assert guarded.request("GET", "/openapi.json", headers={"Authorization": "Bearer sesame"})[0] == 200
+    # the key is checked before the body is read: the answer comes while the body is still unsent
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 8000000\r\n\r\n" + b"x" * 1000)
+        assert raw.recv(200).startswith(b"HTTP/1.1 401")
 
 
 def test_too_many_concurrent_requests_get_429(guarded):

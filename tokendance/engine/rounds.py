@@ -52,6 +52,7 @@ class RoundRunner:
         self.policy = policy
         self.round_index = 0
         self._running: dict[str, str] = {}
+        self._ending: set[str] = set()  # agents of the running round whose session ends with it
         self._aborted: dict[str, RequestOutput] = {}
 
     @classmethod
@@ -67,7 +68,16 @@ class RoundRunner:
         """Agents whose KV is kept, with what it holds."""
         return {key.agent_id: session for key, session in self.engine.kv.find_kept(SessionKey).items()}
 
+    def is_running(self, agent_id: str) -> bool:
+        """The agent has a turn in the round running now."""
+        return agent_id in self._running
+
     def end_agent(self, agent_id: str) -> bool:
+        """Drop an agent's session; False if it has none. An agent whose turn is running keeps
+        its turn, and its KV is dropped when the round ends instead of kept."""
+        if agent_id in self._running:
+            self._ending.add(agent_id)
+            return True
         key = SessionKey(agent_id)
         if not self.engine.kv.has(key):
             return False
@@ -141,7 +151,7 @@ class RoundRunner:
                 if engine.abort_request(request.request_id) is None:
                     engine.kv.free(request.request_id)
             self.policy.end_round()
-            self._running = {}
+            self._running, self._ending = {}, set()
             raise
         results = [outputs[r.request_id] for r in requests]
         fill_times(stats, report, results, started, self.policy.prepares_tables)
@@ -205,12 +215,12 @@ class RoundRunner:
         for request, turn in zip(requests, tokenized):
             if not kv.has(request.request_id):
                 continue  # aborted, or its kept table was evicted under memory pressure
-            if self.policy.keeps_sessions:
+            if self.policy.keeps_sessions and turn.agent_id not in self._ending:
                 computed = request.token_ids[: request.num_computed_tokens]
                 session = Session(computed, self.round_index, turn.spans)
                 kv.keep(request.request_id, key=SessionKey(turn.agent_id), payload=session)
             else:
                 kv.free(request.request_id)
         self.policy.end_round()
-        self._running = {}
+        self._running, self._ending = {}, set()
         self.round_index += 1

@@ -74,7 +74,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/rounds")(api.rounds)
-    app.delete("/v1/agents/{agent_id}")(api.end_agent)
+    app.delete("/v1/agents/{agent_id:path}")(api.end_agent)  # any id, "/" included, can be deleted
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -112,10 +112,12 @@ class Api:
 
     async def end_agent(self, agent_id: str, cache_salt: str = ""):
         """Drop an agent's session (its KV); 404 if it has none."""
-        ended = await self.loop.call(lambda: self.llm.end_agent(engine_agent_id(cache_salt, agent_id)))
+        name = engine_agent_id(cache_salt, agent_id)
+        running, ended = await self.loop.call(lambda: (self.llm.rounds.is_running(name), self.llm.end_agent(name)))
         if not ended:
-            raise ApiError(404, f"agent {agent_id!r} has no session", param="agent_id", code="agent_not_found")
-        return {"agent_id": agent_id, "object": "agent.deleted", "deleted": True}
+            raise ApiError(404, f"agent {echo(agent_id)} has no session", param="agent_id", code="agent_not_found")
+        # in a running round: its turn finishes, then its KV is dropped instead of kept
+        return {"agent_id": agent_id, "object": "agent.deleted", "deleted": True, "after_round": running}
 
     # ------------------------------------------------------------ generation
 

@@ -24,7 +24,7 @@ from typing import Any
 from tokendance.errors import InvalidRequestError, TokenDanceError
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import AgentTurn
-from tokendance.server.gather import ChatTurn, RoundGatherer
+from tokendance.server.gather import ChatTurn, RoundConflictError, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
 from tokendance.server.sink import Sink
@@ -171,6 +171,8 @@ class EngineLoop:
         elif isinstance(job, TurnJob):
             try:
                 self.gatherer.add(job.turn)
+            except RoundConflictError as exc:
+                job.turn.sink.fail(ApiError(409, str(exc), param="round_size", code="round_conflict"))
             except InvalidRequestError as exc:
                 job.turn.sink.fail(ApiError.from_engine(exc, param="agent_id"))
         elif isinstance(job, RoundJob):

@@ -17,6 +17,7 @@ from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/rounds")
+OPEN_PATHS = ("/health", "/metrics")  # what needs no API key
 KNOWN_PATHS = GENERATION_PATHS + ("/v1/models", "/health", "/metrics")
 MAX_DRAIN_FACTOR = 8  # an oversized body is read (and dropped) up to this many times the limit
 
@@ -50,15 +51,16 @@ class Gate:
                              status=str(status.get("code", 499)))
 
     async def _handle(self, scope, receive, send) -> None:
+        # The key first: an unauthenticated client never gets its body read (nor buffered).
+        if self.config.api_key and _needs_key(scope["path"]) and not self._authorized(scope):
+            await _answer(scope, send, ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                                code="invalid_api_key"))
+            return
         body = await self._read_body(receive)
         if body is None:
             return  # the client disconnected while sending
         if isinstance(body, ApiError):
             await _answer(scope, send, body)
-            return
-        if self.config.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
-            await _answer(scope, send, ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                                code="invalid_api_key"))
             return
         replay = _replay(body, receive)
         if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
@@ -129,3 +131,8 @@ async def _answer(scope, send, error: ApiError, headers: dict | None = None) -> 
         return {"type": "http.disconnect"}
 
     await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, no_receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    """Everything but liveness and metrics: the API, and the OpenAPI schema and docs pages."""
+    return path not in OPEN_PATHS

@@ -27,6 +27,10 @@ from typing import Any
 from tokendance.errors import InvalidRequestError
 from tokendance.reuse.segments import common_prefix
 
+
+class RoundConflictError(InvalidRequestError):
+    """A request names a declared round with another size than the round's first request."""
+
 MIN_SHARED_CHARS = 32  # shorter shared lines ("OK", separators) are not worth a round (~ a KV block)
 
 
@@ -88,11 +92,15 @@ class RoundGatherer:
             self._pending.append(turn)
             return
         key = (turn.namespace, turn.round_id)
-        group = self._declared.setdefault(key, [])
+        group = self._declared.get(key, [])
         if turn.agent_id is not None and any(t.agent_id == turn.agent_id for t in group):
             raise InvalidRequestError(f"agent {turn.agent_id!r} is already in round {turn.round_id!r}")
-        group.append(turn)
-        if turn.round_size is not None and len(group) >= turn.round_size:
+        size = group[0].round_size if group else turn.round_size  # fixed by the round's first request
+        if group and turn.round_size is not None and turn.round_size != size:
+            raise RoundConflictError(f"round {turn.round_id!r} was declared with round_size {size}, "
+                                     f"not {turn.round_size}")
+        self._declared[key] = group + [turn]
+        if size is not None and len(group) + 1 >= size:
             self._ready.append(self._declared.pop(key))
 
     def add_round(self, turns: Sequence[ChatTurn]) -> None:
