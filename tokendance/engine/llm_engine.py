@@ -183,14 +183,9 @@ class LLMEngine:
         return self.add(self.make_request(prompt, params, request_id, namespace))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
-        if request is None:
+        if request_id not in self.requests:
             return None
-        self.scheduler.finish(request, "abort")
-        self.runner.release(request_id)
-        state = self._outputs.pop(request_id)
-        state.detokenizer.finish(request.output_token_ids)
-        return self._output(request, state)
+        return self._close(request_id, "abort")
 
     @property
     def has_unfinished(self) -> bool:
@@ -257,15 +252,19 @@ class LLMEngine:
 
     def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
         """Finish a request whose computation raised, with finish_reason "error" and the reason."""
+        output = self._close(request_id, "error", now)
+        output.error = f"{type(error).__name__}: {error}"
+        return output
+
+    def _close(self, request_id: str, reason: str, now: float | None = None) -> RequestOutput:
+        """Finish a request outside the normal step (abort, error) and give its last output."""
         request = self.requests.pop(request_id)
-        self.scheduler.finish(request, "error")
+        self.scheduler.finish(request, reason)
         self.runner.release(request_id)
         state = self._outputs.pop(request_id)
         state.finish_time = now
         state.detokenizer.finish(request.output_token_ids)
-        output = self._output(request, state)
-        output.error = f"{type(error).__name__}: {error}"
-        return output
+        return self._output(request, state)
 
     def _output(self, request: Request, state: OutputState) -> RequestOutput:
         """`token_ids` and `logits` are the request's own growing lists (no per-step copies):

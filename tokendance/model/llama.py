@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokendance.config import ModelConfig
+from tokendance.model import kernels
 
 
 @dataclass
@@ -306,8 +307,6 @@ class PagedDecodeKernel:
 
     @classmethod
     def load(cls, model: "LlamaModel") -> "PagedDecodeKernel | None":
-        from tokendance.model import kernels
-
         lib = kernels.load()
         if lib is None:
             return None
@@ -316,8 +315,6 @@ class PagedDecodeKernel:
                    model.max_shift)
 
     def __call__(self, q, key_cache, value_cache, d: DecodeAttention, positions: torch.Tensor) -> torch.Tensor:
-        from tokendance.model import kernels
-
         query = q[d.query_rows].float().contiguous()  # [B, Hq, D]
         out = kernels.paged_decode_attention(
             self.lib, query, key_cache, value_cache, d.context_slots, d.lengths, positions,

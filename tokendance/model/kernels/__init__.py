@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tokendance.model.platform import cpu_flags
+
 logger = logging.getLogger("tokendance")
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -78,12 +80,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return os.uname().machine
+    return f"{os.uname().machine} {' '.join(sorted(cpu_flags()))}"
 
 
 def paged_decode_attention(
