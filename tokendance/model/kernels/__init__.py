@@ -3,10 +3,8 @@ compiler (`gcc -O3 -march=native -fopenmp`; AVX2 where torch runs AVX2 kernels) 
 per-machine cache and called through ctypes.
 Where no compiler is found or the build fails, `load()` returns None and callers use eager ops.
 
-Opt-in for now (`TOKENDANCE_KERNELS=1`): the paged decode kernel reads shared runs once for all
-their readers and is faster where agents share much of their context (benchmarks/decode.py: 1.6x
-at 16 agents x 1,300 tokens, 60% shared), but slower than eager gather + SDPA over private
-context (0.6-0.9x), and on the Generative Agents bench at 8 agents it did not beat eager.
+The paged decode kernel is on by default; `TOKENDANCE_KERNELS=0` turns it off (eager gather +
+SDPA). benchmarks/decode.py measures both side by side.
 `TOKENDANCE_CACHE` moves the build cache (default ~/.cache/tokendance).
 """
 
@@ -48,7 +46,7 @@ def cache_dir() -> Path:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("TOKENDANCE_KERNELS", "0").strip().lower() in ("0", "false", "no", ""):
+    if os.environ.get("TOKENDANCE_KERNELS", "1").strip().lower() in ("0", "false", "no", ""):
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:

@@ -17,6 +17,7 @@
  * called through ctypes with raw pointers.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,14 +78,14 @@ static inline float bf16_to_float(uint16_t v) {
     return f;
 }
 
-static inline void load_row(const Context *c, const void *cache, int64_t slot, int64_t head, float *row) {
-    const int64_t offset = (slot * c->num_kv_heads + head) * c->dim;
-    if (c->bf16) {
-        const uint16_t *src = (const uint16_t *)cache + offset;
-        for (int64_t i = 0; i < c->dim; i++) row[i] = bf16_to_float(src[i]);
-    } else {
-        memcpy(row, (const float *)cache + offset, sizeof(float) * c->dim);
-    }
+/* Row `slot` of one KV head as float32: a pointer into the pool (float32) or a converted copy. */
+static inline __attribute__((always_inline)) const float *row_f32(const Context *c, const void *cache, int64_t dim,
+                                                                   int64_t slot, int64_t head, float *buffer) {
+    const int64_t offset = (slot * c->num_kv_heads + head) * dim;
+    if (!c->bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    for (int64_t i = 0; i < dim; i++) buffer[i] = bf16_to_float(src[i]);
+    return buffer;
 }
 
 /* The group's queries, scaled, rotated by -shift (into `out`). */
@@ -110,7 +111,8 @@ static void init_states(const Context *c, State *states) {
     }
 }
 
-/* Fold one chunk of scores (turned into weights in place) into the states; values come after. */
+/* Fold one chunk of n scores per query (turned into weights in place) into the states' max and
+ * sum, rescaling their accumulators; the values are added after. */
 static inline __attribute__((always_inline)) void softmax_chunk(int64_t dim, int64_t group, float scores[][CHUNK],
                                                                 int64_t n, State *states) {
     for (int64_t g = 0; g < group; g++) {
@@ -122,58 +124,105 @@ static inline __attribute__((always_inline)) void softmax_chunk(int64_t dim, int
         for (int64_t i = 0; i < dim; i++) s->acc[i] *= correction;
         s->max = chunk_max;
         float sum = 0.0f;
-        for (int64_t k = 0; k < CHUNK; k++) {
-            scores[g][k] = k < n ? exp_nonpositive(scores[g][k] - chunk_max) : 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            scores[g][k] = exp_nonpositive(scores[g][k] - chunk_max);
             sum += scores[g][k];
         }
         s->sum += sum;
     }
 }
 
-/* One chunk of n <= CHUNK keys (transposed: kt[i * CHUNK + k], zero beyond n) and values
- * (v[k * dim + i]) against the group's rotated queries: scores vectorize over the keys, the
- * weighted sum over the head dimension. */
-static inline __attribute__((always_inline)) void attend_chunk(int64_t dim, int64_t group, float q[][MAX_DIM],
-                                                               const float *restrict kt, const float *restrict v,
-                                                               int64_t n, State *restrict states) {
-    float scores[MAX_GROUP][CHUNK];
-    for (int64_t g = 0; g < group; g++) {
-        for (int64_t k = 0; k < CHUNK; k++) scores[g][k] = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            const float qi = q[g][i];
-            for (int64_t k = 0; k < CHUNK; k++) scores[g][k] += qi * kt[i * CHUNK + k];
+static inline __attribute__((always_inline)) void prefetch_slot(const Context *c, const void *cache, int64_t dim,
+                                                                int64_t slot) {
+    const int64_t bytes = c->num_kv_heads * dim * (c->bf16 ? 2 : 4);
+    const char *row = (const char *)cache + slot * bytes;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+}
+
+enum { AHEAD = 4 }; /* rows prefetched ahead of the one read */
+
+/* Scores of one chunk of n <= CHUNK keys, given by slot and read in place for all KV heads (a
+ * slot's heads are contiguous in the pool), against each head's group of rotated queries: one
+ * dot product per key and query, reduced across the head dimension, nothing transposed or copied
+ * but bf16 -> float32. q: [num_kv_heads][group][dim]; scores: [num_kv_heads * group][CHUNK]. */
+static inline __attribute__((always_inline)) void score_rows(const Context *c, int64_t dim, int64_t group,
+                                                             float q[][MAX_GROUP][MAX_DIM], const int64_t *slots,
+                                                             int64_t n, float scores[][CHUNK]) {
+    float buffer[MAX_DIM] __attribute__((aligned(64)));
+    for (int64_t k = 0; k < n; k++) {
+        if (k + AHEAD < n) prefetch_slot(c, c->keys, dim, slots[k + AHEAD]);
+        for (int64_t h = 0; h < c->num_kv_heads; h++) {
+            const float *key = row_f32(c, c->keys, dim, slots[k], h, buffer);
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+                for (int64_t i = 0; i < dim; i++) dot += q[h][g][i] * key[i];
+                scores[h * group + g][k] = dot;
+            }
         }
-    }
-    softmax_chunk(dim, group, scores, n, states);
-    for (int64_t g = 0; g < group; g++) {
-        float acc[MAX_DIM];
-        for (int64_t i = 0; i < dim; i++) acc[i] = states[g].acc[i];
-        for (int64_t k = 0; k < n; k++) {
-            const float w = scores[g][k];
-            for (int64_t i = 0; i < dim; i++) acc[i] += w * v[k * dim + i];
-        }
-        for (int64_t i = 0; i < dim; i++) states[g].acc[i] = acc[i];
     }
 }
 
-static inline __attribute__((always_inline)) void load_key_transposed(const Context *c, int64_t dim, int64_t slot,
-                                                                      int64_t head, int64_t k, float *kt) {
-    float row[MAX_DIM];
-    load_row(c, c->keys, slot, head, row);
-    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = row[i];
+/* The same from keys transposed once per chunk (kt: [num_kv_heads][dim][CHUNK], zero beyond n):
+ * for a chunk read by many queries, scores vectorize over the keys with no reductions. */
+static inline __attribute__((always_inline)) void score_transposed(int64_t num_kv_heads, int64_t dim, int64_t group,
+                                                                   float q[][MAX_GROUP][MAX_DIM],
+                                                                   const float *restrict kt, float scores[][CHUNK]) {
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t g = 0; g < group; g++) {
+            float s[CHUNK] __attribute__((aligned(64))) = {0};
+            for (int64_t i = 0; i < dim; i++) {
+                const float qi = q[h][g][i];
+                const float *row = kt + (h * dim + i) * CHUNK;
+                for (int64_t k = 0; k < CHUNK; k++) s[k] += qi * row[k];
+            }
+            for (int64_t k = 0; k < CHUNK; k++) scores[h * group + g][k] = s[k];
+        }
+    }
+}
+
+/* Softmax-fold the chunk's scores into the states and add its values: read in place by slot
+ * (values_f32 == NULL) or from a float32 copy ([num_kv_heads][CHUNK][dim]). */
+static inline __attribute__((always_inline)) void accumulate(const Context *c, int64_t dim, int64_t group,
+                                                             float scores[][CHUNK], const int64_t *slots,
+                                                             const float *values_f32, int64_t n,
+                                                             State *restrict states) {
+    const int64_t num_kv_heads = c->num_kv_heads;
+    float buffer[MAX_DIM] __attribute__((aligned(64)));
+    if (!values_f32)
+        for (int64_t k = 0; k < AHEAD && k < n; k++) prefetch_slot(c, c->values, dim, slots[k]);
+    softmax_chunk(dim, num_kv_heads * group, scores, n, states);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
+        State *head_states = states + h * group;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < dim; i++) acc[g][i] = head_states[g].acc[i];
+        for (int64_t k = 0; k < n; k++) {
+            const float *value;
+            if (values_f32) {
+                value = values_f32 + (h * CHUNK + k) * dim;
+            } else {
+                if (h == 0 && k + AHEAD < n) prefetch_slot(c, c->values, dim, slots[k + AHEAD]);
+                value = row_f32(c, c->values, dim, slots[k], h, buffer);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[h * group + g][k];
+                for (int64_t i = 0; i < dim; i++) acc[g][i] += w * value[i];
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < dim; i++) head_states[g].acc[i] = acc[g][i];
+    }
 }
 
 /* A request's private keys: its columns not covered by a shared run (shared[j] == 0), in chunks
- * of keys with one shift (the queries are rotated when it changes). All KV heads per chunk, so the
- * chunk's rows are read from memory once. states: [num_heads]. */
+ * of keys with one shift (the queries are rotated when it changes). states: [num_heads]. */
 static inline __attribute__((always_inline)) void private_item(const Context *c, int64_t dim, int64_t group,
                                                                const float *q, const int64_t *slots,
                                                                const uint8_t *shared, int64_t length,
                                                                State *states) {
     const int64_t num_kv_heads = c->num_kv_heads;
     float rotated[MAX_HEADS][MAX_GROUP][MAX_DIM];
-    float kt[MAX_DIM * CHUNK] __attribute__((aligned(64))), v[CHUNK * MAX_DIM] __attribute__((aligned(64)));
-    int64_t columns[CHUNK];
+    int64_t chunk_slots[CHUNK];
     int64_t current_shift = 0;
     for (int64_t h = 0; h < num_kv_heads; h++) {
         rotate_queries(c, q + h * group * dim, 0, rotated[h]);
@@ -190,54 +239,53 @@ static inline __attribute__((always_inline)) void private_item(const Context *c,
             } else if (shift != chunk_shift) {
                 break; /* the next chunk starts here, with its own rotation */
             }
-            columns[n++] = j;
+            chunk_slots[n++] = slots[j];
         }
         if (n == 0) break;
         if (chunk_shift != current_shift) {
             for (int64_t h = 0; h < num_kv_heads; h++) rotate_queries(c, q + h * group * dim, chunk_shift, rotated[h]);
             current_shift = chunk_shift;
         }
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            for (int64_t k = 0; k < CHUNK; k++) {
-                if (k < n) {
-                    load_key_transposed(c, dim, slots[columns[k]], h, k, kt);
-                    load_row(c, c->values, slots[columns[k]], h, v + k * dim);
-                } else {
-                    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = 0.0f;
-                }
-            }
-            attend_chunk(dim, group, rotated[h], kt, v, n, states + h * group);
-        }
+        float scores[MAX_HEADS * MAX_GROUP][CHUNK];
+        score_rows(c, dim, group, rotated, chunk_slots, n, scores);
+        accumulate(c, dim, group, scores, chunk_slots, NULL, n, states);
     }
 }
 
-/* A run of consecutive slots read by several requests: each chunk of keys and values loaded
- * once, for all readers and all KV heads. states: [readers][num_heads]. */
+/* A run of consecutive slots read by several requests: each chunk of keys and values is read
+ * from the pool once, converted to float32 (keys transposed, into scratch: 2 * num_kv_heads *
+ * dim * CHUNK floats), and used by all its readers. states: [readers][num_heads]. */
 static inline __attribute__((always_inline)) void shared_item(const Context *c, int64_t dim, int64_t group,
                                                               const float *q, const Run *run, const Reader *readers,
-                                                              State *states) {
+                                                              float *scratch, State *states) {
     const int64_t num_kv_heads = c->num_kv_heads, num_heads = c->num_heads;
-    float rotated[MAX_GROUP][MAX_DIM];
-    float kt[MAX_DIM * CHUNK] __attribute__((aligned(64))), v[CHUNK * MAX_DIM] __attribute__((aligned(64)));
+    float rotated[MAX_HEADS][MAX_GROUP][MAX_DIM];
+    float scores[MAX_HEADS * MAX_GROUP][CHUNK];
+    float buffer[MAX_DIM] __attribute__((aligned(64)));
+    float *restrict kt = scratch, *restrict v = scratch + num_kv_heads * dim * CHUNK;
     for (int64_t r = 0; r < run->num_readers; r++)
         for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + r * num_heads + h * group);
     for (int64_t start = 0; start < run->length; start += CHUNK) {
         const int64_t n = run->length - start < CHUNK ? run->length - start : CHUNK;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            for (int64_t k = 0; k < CHUNK; k++) {
+        for (int64_t k = 0; k < CHUNK; k++) {
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                float *vk = v + (h * CHUNK + k) * dim;
                 if (k < n) {
-                    load_key_transposed(c, dim, run->slot_start + start + k, h, k, kt);
-                    load_row(c, c->values, run->slot_start + start + k, h, v + k * dim);
+                    const float *key = row_f32(c, c->keys, dim, run->slot_start + start + k, h, buffer);
+                    for (int64_t i = 0; i < dim; i++) kt[(h * dim + i) * CHUNK + k] = key[i];
+                    memcpy(vk, row_f32(c, c->values, dim, run->slot_start + start + k, h, buffer), sizeof(float) * dim);
                 } else {
-                    for (int64_t i = 0; i < dim; i++) kt[i * CHUNK + k] = 0.0f;
+                    for (int64_t i = 0; i < dim; i++) kt[(h * dim + i) * CHUNK + k] = 0.0f;
                 }
             }
-            int64_t e = run->first_reader;
-            for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
-                const Reader *reader = &readers[e];
-                rotate_queries(c, q + (reader->request * num_heads + h * group) * dim, reader->shift, rotated);
-                attend_chunk(dim, group, rotated, kt, v, n, states + r * num_heads + h * group);
-            }
+        }
+        int64_t e = run->first_reader;
+        for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
+            const Reader *reader = &readers[e];
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                rotate_queries(c, q + (reader->request * num_heads + h * group) * dim, reader->shift, rotated[h]);
+            score_transposed(num_kv_heads, dim, group, rotated, kt, scores);
+            accumulate(c, dim, group, scores, NULL, v, n, states + r * num_heads);
         }
     }
 }
@@ -245,7 +293,7 @@ static inline __attribute__((always_inline)) void shared_item(const Context *c, 
 static inline __attribute__((always_inline)) void work_item(
     const Context *c, int64_t dim, int64_t group, int64_t index, const float *q, const int64_t *slots,
     const uint8_t *shared, const int64_t *lengths, int64_t width, int64_t batch, const Run *runs,
-    const Reader *readers, const int64_t *offsets, State *partials) {
+    const Reader *readers, const int64_t *offsets, float *scratch, State *partials) {
     const int64_t num_heads = c->num_heads;
     if (index < batch) { /* request `index`'s private keys */
         private_item(c, dim, group, q + index * num_heads * dim, slots + index * width, shared + index * width,
@@ -253,7 +301,7 @@ static inline __attribute__((always_inline)) void work_item(
         return;
     }
     const int64_t u = index - batch; /* shared run u */
-    shared_item(c, dim, group, q, &runs[u], readers, partials + offsets[u] * num_heads);
+    shared_item(c, dim, group, q, &runs[u], readers, scratch, partials + offsets[u] * num_heads);
 }
 
 /* q:        [batch, num_heads, dim] float32, rotated for each request's own position
@@ -330,8 +378,10 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     /* partial states: batch private ones, then one per (shared run, reader), each [heads][group] */
     int64_t *offsets = malloc(sizeof(int64_t) * (num_shared + 1));
     State *partials = malloc(sizeof(State) * (batch + num_shared_readers) * num_heads);
-    if (!offsets || !partials) {
-        free(runs), free(readers), free(table), free(shared), free(offsets), free(partials);
+    const int64_t scratch_floats = 2 * num_kv_heads * dim * CHUNK; /* per thread, for shared runs */
+    float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats * num_threads);
+    if (!offsets || !partials || !scratch) {
+        free(runs), free(readers), free(table), free(shared), free(offsets), free(partials), free(scratch);
         return -2;
     }
     offsets[0] = batch;
@@ -341,10 +391,12 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     const int64_t num_items = batch + num_shared;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t item = 0; item < num_items; item++) {
+        float *mine = scratch + omp_get_thread_num() * scratch_floats;
         if (dim == 64 && group == 3) /* SmolLM2's shape, with the sizes known to the compiler */
-            work_item(&c, 64, 3, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, partials);
+            work_item(&c, 64, 3, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, mine, partials);
         else
-            work_item(&c, dim, group, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, partials);
+            work_item(&c, dim, group, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, mine,
+                      partials);
     }
 
     /* 3. Merge each request's partial states by log-sum-exp, and normalize. */
@@ -382,7 +434,7 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     for (int64_t u = 0; u < num_shared; u++) loaded += runs[u].length;
     stats[0] = loaded * num_kv_heads;
     stats[1] = total * num_kv_heads;
-    free(runs), free(readers), free(table), free(shared), free(offsets), free(partials);
+    free(runs), free(readers), free(table), free(shared), free(offsets), free(partials), free(scratch);
     free(first_partial), free(next_partial);
     return 0;
 }
