@@ -359,7 +359,8 @@ BAD_CHATS = [  # (fields replacing the defaults, status, expected param, expecte
     ({"top_p": 0}, 400, "top_p", "invalid_value"),
     ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"stop_token_ids": [-3]}, 400, "stop_token_ids", "invalid_value"),
-    ({"n": 2}, 400, "n", "unsupported_parameter"),
+    ({"n": 17}, 400, "n", None),
+    ({"logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_parameter"),
     ({"round_size": 3}, 400, "round_size", None),
     ({"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context_length_exceeded"),
     # values the sampler or tokenizer cannot take, and loose types OpenAI rejects
@@ -398,9 +399,10 @@ def test_hostile_values_fail_alone(server):
     assert answers[0][1]["choices"][0]["message"]["content"] == answers[1][1]["choices"][0]["message"]["content"]
     status, error = server.post("/v1/chat/completions", chat_body(server, model="m" * 100_000))
     assert status == 404 and len(error["error"]["message"]) < 300
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "x": "y" * 5000}}}
+    tool = {"type": "function", "function": {"name": "y" * 5000, "parameters": {"type": "object"}}}
     status, error = server.post("/v1/chat/completions", chat_body(server, tools=[tool]))
-    assert status == 400 and error["error"]["param"] == "tools" and "yyyy" not in error["error"]["message"]
+    assert status == 400 and error["error"]["param"] == "tools.0.function.name", error
+    assert "yyyy" not in error["error"]["message"]
     for prompt in ([True], "x \ud800", ["ok", "\udc00"]):
         status, error = server.post("/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 2})
         assert status == 400 and error["error"]["param"].startswith("prompt"), error

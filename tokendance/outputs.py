@@ -21,6 +21,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
+    logprobs: list = field(default_factory=list, repr=False)  # TokenLogprobs per generated token, if asked
     agent_id: str | None = None  # set for the turn of an agent in a round
     error: str | None = None  # why, when finish_reason is "error" (its computation raised)
 

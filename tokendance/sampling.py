@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tokendance.errors import InvalidRequestError
+from tokendance.structured import GrammarCompiler, Guide, StructuredOutput
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -30,6 +33,10 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     return_logits: bool | int = False  # attach float32 logits: True = every generated position, k = the first k
+    # Log-probabilities of each sampled token under the model (before temperature, top-k/p and
+    # grammar masks), plus the `logprobs` most likely alternatives: None = off, 0 = the token's own.
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +60,12 @@ class SamplingParams:
         self.stop_token_ids = tuple(ids)
         _check(isinstance(self.return_logits, bool) or (_is_int(self.return_logits) and self.return_logits >= 0),
                f"return_logits must be a bool or a count >= 0, got {self.return_logits!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        _check(self.structured is None or not self.ignore_eos,
+               "ignore_eos cannot be combined with structured output (a complete output ends with EOS)")
 
     @property
     def is_greedy(self) -> bool:
@@ -82,13 +95,36 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], counts: Sequence[int]) -> list[TokenLogprobs]:
+    """logits: [B, vocab] (model dtype); one entry per row, with counts[row] alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(counts)
+    top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(t, c, list(zip(top_ids[row][:n], top_values[row][:n])))
+            for row, (t, c, n) in enumerate(zip(tokens, chosen, counts))]
+
+
 class Sampler:
     """Turns a batch of logits into one token per row. Seeded requests own a generator for their
-    whole life, so their draws do not depend on batch composition."""
+    whole life, so their draws do not depend on batch composition; guided requests (structured
+    output) own a grammar matcher, advanced by each token they sample."""
 
-    def __init__(self, device):
+    def __init__(self, device, grammars: GrammarCompiler | None = None):
         self.device = device
+        self.grammars = grammars
         self._generators: dict[str, torch.Generator] = {}
+        self._guides: dict[str, Guide] = {}
 
     def sample(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
@@ -96,23 +132,54 @@ class Sampler:
         # max().indices: same choice as argmax, measured 5x faster on bf16 rows on CPU
         tokens = logits.max(dim=-1).indices.tolist()
         for row, (request_id, p) in enumerate(zip(request_ids, params)):
+            guide = self._guide(request_id, p)
+            if guide is None and p.is_greedy:
+                continue
+            row_logits = logits[row]
+            if guide is not None:
+                allowed = guide.allowed(row_logits.numel())
+                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+                if p.is_greedy:
+                    tokens[row] = int(row_logits.argmax())
             if not p.is_greedy:
-                tokens[row] = self._sample_row(logits[row], request_id, p)
+                tokens[row] = self._sample_row(row_logits, request_id, p)
+            if guide is not None:
+                guide.consume(tokens[row])
         return tokens
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._guides.pop(request_id, None)
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """The seeded generators' states, to rewind a step that failed half way."""
-        return {request_id: g.get_state() for request_id, g in self._generators.items()}
+    def snapshot(self) -> dict:
+        """The seeded generators' states and the matchers' positions, to rewind a step that failed
+        half way."""
+        return {"generators": {request_id: g.get_state() for request_id, g in self._generators.items()},
+                "guides": {request_id: g.num_consumed for request_id, g in self._guides.items()}}
 
-    def restore(self, states: dict[str, torch.Tensor]) -> None:
+    def restore(self, snapshot: dict) -> None:
+        states = snapshot["generators"]
         for request_id, state in states.items():
             if request_id in self._generators:
                 self._generators[request_id].set_state(state)
         for request_id in self._generators.keys() - states.keys():  # created by the failed step
             del self._generators[request_id]
+        positions = snapshot["guides"]
+        for request_id in list(self._guides):
+            if request_id in positions:
+                self._guides[request_id].rollback_to(positions[request_id])
+            else:
+                del self._guides[request_id]
+
+    def _guide(self, request_id: str, p: SamplingParams) -> Guide | None:
+        if p.structured is None:
+            return None
+        guide = self._guides.get(request_id)
+        if guide is None:
+            if self.grammars is None:
+                raise InvalidRequestError("this sampler has no grammar compiler for structured output")
+            guide = self._guides[request_id] = Guide(self.grammars.matcher(p.structured))
+        return guide
 
     def _sample_row(self, logits: torch.Tensor, request_id: str, p: SamplingParams) -> int:
         logits = logits.float() / p.temperature

@@ -22,6 +22,7 @@ from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestE
 from tokendance.kv.manager import KVCacheManager, SessionKey
 from tokendance.batch import SchedulerOutput
 from tokendance.model.runner import ModelRunner, RunnerOutput
+from tokendance.structured import GrammarCompiler
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
 from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
@@ -58,6 +59,7 @@ class OutputState:
     first_token_time: float | None = None
     finish_time: float | None = None
     logits: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
 
 
 class LLMEngine:
@@ -94,7 +96,8 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and config.reuse != "full"
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, kv_tensors, config.block_size)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.eos_token_ids)
+        self.runner = ModelRunner(model, kv_tensors, config.block_size, self.grammars)
         if not 0 <= config.check_layer < loaded.config.num_layers:
             raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
         self.requests: dict[str, Request] = {}
@@ -129,6 +132,8 @@ class LLMEngine:
         `retain_kv`: the request's table outlives it (a round keeps it as the agent's session)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.structured is not None:
+            self.grammars.matcher(params.structured)  # compiled (and kept) now: a bad grammar is the caller's error
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -211,6 +216,8 @@ class LLMEngine:
             state, wanted = self._outputs[request_id], self.requests[request_id].sampling_params.return_logits
             if wanted is True or len(state.logits) < wanted:
                 state.logits.append(logits)
+        for request_id, entry in result.logprobs.items():
+            self._outputs[request_id].logprobs.append(entry)
         advanced = self.scheduler.update_from_output(out, result.sampled, self.requests)
         outputs = []
         for request in advanced:
@@ -248,6 +255,7 @@ class LLMEngine:
             kept.scheduled.append(item)
             result.sampled.update(alone.sampled)
             result.logits.update(alone.logits)
+            result.logprobs.update(alone.logprobs)
         return kept, result, failed
 
     def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
@@ -284,5 +292,6 @@ class LLMEngine:
             first_token_time=state.first_token_time,
             finish_time=state.finish_time,
             logits=state.logits,
+            logprobs=state.logprobs,
             agent_id=request.agent_id,
         )

@@ -51,6 +51,13 @@ class RoundStats:
     shared_compression: float = 0.0
     diff_blocks: int = 0
     num_waves: int = 1  # > 1: the pool could not hold the round at once; it ran in parts
+    # decode attention's KV traffic during the round (all layers): bytes read from the pool, and
+    # what each agent reading its own whole context would read
+    decode_steps: int = 0
+    decode_kv_bytes_read: int = 0
+    decode_kv_bytes_requested: int = 0
+    decode_kv_mb_per_step: float = 0.0
+    decode_read_reduction: float = 0.0  # requested / read: how many times less than per-agent reads
     agents: list[AgentKVStats] = field(default_factory=list)
 
 
@@ -116,8 +123,18 @@ def fill_kv(stats: RoundStats, kv: KVCacheManager, bytes_per_block: int, table_i
     derive(stats)
 
 
+def fill_reads(stats: RoundStats, before, after, row_bytes: int) -> None:
+    """Decode traffic between two snapshots of the model's `DecodeReads`."""
+    stats.decode_steps = after.steps - before.steps
+    stats.decode_kv_bytes_read = (after.rows_loaded - before.rows_loaded) * row_bytes
+    stats.decode_kv_bytes_requested = (after.rows_requested - before.rows_requested) * row_bytes
+    derive(stats)
+
+
 def derive(stats: RoundStats) -> None:
     """The ratios, from the counts."""
+    stats.decode_kv_mb_per_step = stats.decode_kv_bytes_read / max(1, stats.decode_steps) / 2**20
+    stats.decode_read_reduction = stats.decode_kv_bytes_requested / max(1, stats.decode_kv_bytes_read)
     stats.kv_bytes_per_agent = stats.kv_bytes / max(1, len(stats.agents))
     stats.compression = stats.logical_kv_tokens / max(1, stats.physical_kv_tokens)
     stats.shared_compression = stats.shared_logical_tokens / max(1, stats.shared_physical_tokens)
@@ -125,7 +142,8 @@ def derive(stats: RoundStats) -> None:
 
 SUMMED = ("lookup_seconds", "selection_seconds", "recompute_seconds", "private_prefill_seconds", "prompt_tokens",
           "computed_tokens", "reused_tokens", "recomputed_tokens", "logical_kv_tokens", "physical_kv_blocks",
-          "physical_kv_tokens", "kv_bytes", "shared_logical_tokens", "shared_physical_tokens", "diff_blocks")
+          "physical_kv_tokens", "kv_bytes", "shared_logical_tokens", "shared_physical_tokens", "diff_blocks",
+          "decode_steps", "decode_kv_bytes_read", "decode_kv_bytes_requested")
 
 
 def merge_waves(waves: list[tuple[list[RequestOutput], RoundStats]], started: float) -> RoundStats:

@@ -16,13 +16,15 @@ by it, least recently kept first, when an allocation needs room.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokendance.engine.llm_engine import LLMEngine
 from tokendance.engine.request import Request
-from tokendance.engine.round_stats import RoundStats, fill_kv, fill_times, merge_waves
+from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, merge_waves
 from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.kv.manager import SessionKey
 from tokendance.outputs import RequestOutput
@@ -137,6 +139,8 @@ class RoundRunner:
         ]
         stats = RoundStats(self.round_index, self.policy.name, len(tokenized))
         self._running = {r.agent_id: r.request_id for r in requests}
+        model = engine.runner.model
+        reads_before = dataclasses.replace(model.decode_reads)
         started = time.perf_counter()
         try:
             try:
@@ -156,6 +160,8 @@ class RoundRunner:
         results = [outputs[r.request_id] for r in requests]
         fill_times(stats, report, results, started, self.policy.prepares_tables)
         fill_kv(stats, engine.kv, engine.bytes_per_block, [r.request_id for r in requests], tokenized)
+        fill_reads(stats, reads_before, model.decode_reads, engine.bytes_per_block // engine.config.block_size
+                   // engine.model_config.num_layers // engine.model_config.num_kv_heads)
         self._finish_round(requests, tokenized)
         return RoundResult(results, stats)
 

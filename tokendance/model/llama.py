@@ -57,6 +57,16 @@ class DecodeAttention:
 
 
 @dataclass
+class DecodeReads:
+    """Cumulative decode-attention traffic: KV rows (one slot, one KV head, K and V) read from the
+    pool, and the rows a per-request read would have read (each agent its whole context)."""
+
+    steps: int = 0
+    rows_loaded: int = 0
+    rows_requested: int = 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     prefills: list[PrefillAttention]
@@ -154,6 +164,7 @@ class LlamaModel:
         self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
         self.read_keys = FusedKeyReader()
         self.decode_kernel = PagedDecodeKernel.load(self) if torch.device(device).type == "cpu" else None
+        self.decode_reads = DecodeReads()
 
     def forward(
         self,
@@ -168,6 +179,9 @@ class LlamaModel:
         cos = self.cos[positions].to(self.dtype)  # [T, 1, D]
         sin = self.sin[positions].to(self.dtype)
         hidden = F.embedding(input_ids, self.embed_tokens)
+        reads = self.decode_reads if meta.decode is not None else None
+        if reads is not None:
+            reads.steps += 1
         num_qk = (c.num_heads + c.num_kv_heads) * c.head_dim
         for layer_index, layer in enumerate(self.layers[:num_layers]):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
@@ -180,7 +194,7 @@ class LlamaModel:
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.read_keys,
-                                   self.decode_kernel, kv_cache.positions)  # [T, Hq * D]
+                                   self.decode_kernel, kv_cache.positions, reads)  # [T, Hq * D]
             hidden = hidden + self.linear(attn, layer.out)
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -314,11 +328,17 @@ class PagedDecodeKernel:
         return cls(lib, model.shift_cos.reshape(flat).contiguous(), model.shift_sin.reshape(flat).contiguous(),
                    model.max_shift)
 
-    def __call__(self, q, key_cache, value_cache, d: DecodeAttention, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q, key_cache, value_cache, d: DecodeAttention, positions: torch.Tensor,
+                 reads: DecodeReads | None = None) -> torch.Tensor:
         query = q[d.query_rows].float().contiguous()  # [B, Hq, D]
+        counts = torch.zeros(2, dtype=torch.int64)
         out = kernels.paged_decode_attention(
             self.lib, query, key_cache, value_cache, d.context_slots, d.lengths, positions,
-            self.shift_cos, self.shift_sin, self.max_shift, query.shape[-1] ** -0.5)
+            self.shift_cos, self.shift_sin, self.max_shift, query.shape[-1] ** -0.5, counts)
+        if reads is not None:
+            loaded, requested = counts.tolist()
+            reads.rows_loaded += loaded
+            reads.rows_requested += requested
         return out.to(q.dtype)  # [B, Hq, D]
 
 
@@ -332,6 +352,7 @@ def paged_attention(
     read_keys: FusedKeyReader,
     decode_kernel: PagedDecodeKernel | None = None,
     slot_positions: torch.Tensor | None = None,  # [num_slots]: the position each key is rotated for
+    reads: DecodeReads | None = None,  # decode traffic is added here
 ) -> torch.Tensor:  # [T, Hq * D]
     out = torch.empty_like(q)
     # SDPA gets 4-D inputs: only those take the fused (flash) CPU kernel with GQA.
@@ -349,8 +370,12 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
     d = meta.decode
     if d is not None and d.mask is None:
-        out[d.query_rows] = decode_kernel(q, key_cache, value_cache, d, slot_positions)
+        out[d.query_rows] = decode_kernel(q, key_cache, value_cache, d, slot_positions, reads)
     elif d is not None:
+        if reads is not None:  # every request reads its whole context
+            rows = int(d.lengths.sum()) * key_cache.shape[1]
+            reads.rows_loaded += rows
+            reads.rows_requested += rows
         batch, max_context = d.context_slots.shape
         flat_slots = d.context_slots.reshape(-1)
         # [B * Lk, Hkv, D] -> [B, Lk, Hkv, D]

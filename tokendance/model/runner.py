@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,24 +15,28 @@ from tokendance.model.llama import (
     PrefillAttention,
     rotate_pairs,
 )
-from tokendance.sampling import Sampler
+from tokendance.sampling import Sampler, TokenLogprobs, token_logprobs
+from tokendance.structured import GrammarCompiler
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> next token, for requests that sampled this step
     logits: dict[str, torch.Tensor]  # request id -> [vocab] float32, when return_logits is set
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when sampling_params.logprobs is set
 
 
 class ModelRunner:
-    """Owns the KV tensors and the sampler; keeps no request state besides sampler generators."""
+    """Owns the KV tensors and the sampler; keeps no request state besides the sampler's
+    generators and grammar matchers."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCacheTensors, block_size: int):
+    def __init__(self, model: LlamaModel, kv_cache: KVCacheTensors, block_size: int,
+                 grammars: GrammarCompiler | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
-        self.sampler = Sampler(model.device)
+        self.sampler = Sampler(model.device, grammars)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -48,7 +52,13 @@ class ModelRunner:
             for row, item in enumerate(samplers)
             if item.sampling_params.return_logits
         }
-        return RunnerOutput(dict(zip(ids, tokens)), kept)
+        rows = [row for row, item in enumerate(samplers) if item.sampling_params.logprobs is not None]
+        logprobs = {}
+        if rows:
+            found = token_logprobs(logits[rows], [tokens[r] for r in rows],
+                                   [samplers[r].sampling_params.logprobs for r in rows])
+            logprobs = {samplers[r].request_id: entry for r, entry in zip(rows, found)}
+        return RunnerOutput(dict(zip(ids, tokens)), kept, logprobs)
 
     @torch.inference_mode()
     def compute_kv(self, out: SchedulerOutput, num_layers: int | None = None) -> None:

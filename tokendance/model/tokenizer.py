@@ -49,6 +49,10 @@ class ChatTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The tokenizer as `tokenizers` JSON (what grammar libraries load)."""
+        return self._tokenizer.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 

@@ -41,12 +41,17 @@ from tokendance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RoundRequest,
+    chat_logprobs,
+    chat_message,
     chat_response,
+    choice_params,
+    completion_logprobs,
     completion_response,
     echo,
     round_response,
     usage,
 )
+from tokendance.server.tools import render_messages
 from tokendance.server.sink import Sink
 from tokendance.server.streaming import EventStream, TextDeltas, events
 
@@ -92,6 +97,7 @@ class Api:
         self.loop = loop
         self.metrics = metrics
         self.created = int(time.time())
+        self._hidden = frozenset(self.engine.model_config.eos_token_ids)  # in logprobs, not in content
 
     # ------------------------------------------------------------ plain routes
 
@@ -126,36 +132,57 @@ class Api:
         self._check(body)
         if body.round_size is not None and body.round_id is None:
             raise ApiError(400, "round_size needs a round_id", param="round_size")
-        messages = body.chat_messages()
-        params = body.sampling_params(None, max_tokens=body.max_completion_tokens)
+        if body.n > 1 and (body.agent_id or body.round_id):
+            raise ApiError(400, "n must be 1 for an agent's turn (agent_id, round_id)", param="n")
+        tools = body.tool_set()
+        structured, structured_param = body.structured_output()
+        if tools is not None and tools.forced:
+            if structured is not None:
+                raise ApiError(400, "a forced tool_choice cannot be combined with response_format or guided_*",
+                               param="tool_choice")
+            structured, structured_param = tools.constraint(body.parallel_tool_calls), "tools"
+        await self._compile(structured, structured_param)
+        messages = render_messages(body.chat_messages(), tools)
+        params = body.sampling_params(None, max_tokens=body.max_completion_tokens, structured=structured,
+                                      logprobs=body.num_logprobs())
         key, namespace = f"chatcmpl-{uuid.uuid4().hex}", body.cache_salt or ""
-        prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
-        sink = Sink(key, 1)
-        turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
-                        agent_id=body.agent_id, round_id=body.round_id, round_size=body.round_size,
-                        arrival=time.monotonic())
-        may_join = body.agent_id or body.round_id or self.config.gather_window_s > 0
-        self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
+        sink = Sink(key, body.n)
+        if body.n == 1:
+            prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
+            turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
+                            agent_id=body.agent_id, round_id=body.round_id, round_size=body.round_size,
+                            arrival=time.monotonic())
+            may_join = body.agent_id or body.round_id or self.config.gather_window_s > 0
+            self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
+        else:
+            requests = await self._validate(
+                lambda: [self._chat_request(messages, choice_params(params, i), f"{key}-{i}", namespace)
+                         for i in range(body.n)], "messages")
+            self.loop.submit(GenerateJob(requests, sink, share_prompt=True))
         if body.stream:
-            return self._stream(sink, started, params.stop_strings, *self._chat_chunks(key, sink, body))
-        (output,) = await self._collect(request, sink, started)
-        return chat_response(key, self.config.model_name, output, sink.round_info.get(0))
+            return self._stream(sink, started, params.stop_strings, *self._chat_chunks(key, sink, body, tools))
+        outputs = await self._collect(request, sink, started)
+        return chat_response(key, self.config.model_name, outputs, sink.round_info.get(0), tools, self._token_text,
+                             self._hidden)
 
     async def completions(self, body: CompletionRequest, request: Request):
         started = time.perf_counter()
         self._check(body)
-        params = body.sampling_params(16)
-        key, namespace, prompts = f"cmpl-{uuid.uuid4().hex}", body.cache_salt or "", body.prompts()
+        structured, structured_param = body.structured_output()
+        await self._compile(structured, structured_param)
+        params = body.sampling_params(16, structured=structured, logprobs=body.logprobs)
+        key, namespace, prompts, n = f"cmpl-{uuid.uuid4().hex}", body.cache_salt or "", body.prompts(), body.n
         requests = await self._validate(
-            lambda: [self.engine.make_request(p, params, f"{key}-{i}", namespace) for i, p in enumerate(prompts)],
+            lambda: [self.engine.make_request(p, choice_params(params, c), f"{key}-{i * n + c}", namespace)
+                     for i, p in enumerate(prompts) for c in range(n)],
             "prompt",
         )
         sink = Sink(key, len(requests))
-        self.loop.submit(GenerateJob(requests, sink))
+        self.loop.submit(GenerateJob(requests, sink, share_prompt=n > 1))
         if body.stream:
             return self._stream(sink, started, params.stop_strings, *self._completion_chunks(key, body))
         outputs = await self._collect(request, sink, started)
-        return completion_response(key, self.config.model_name, outputs)
+        return completion_response(key, self.config.model_name, outputs, n, self._token_text, self._hidden)
 
     async def rounds(self, body: RoundRequest, request: Request):
         """A whole round in one request: every agent's reply and the round's statistics."""
@@ -170,7 +197,12 @@ class Api:
         for i, agent in enumerate(body.agents):
             agent.check_supported()
             messages = [m.as_dict(j) for j, m in enumerate(agent.messages)]
-            params = body.sampling_params(None, **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
+            structured, structured_param = agent.structured_output()
+            if structured is None:
+                structured, structured_param = body.structured_output()
+            await self._compile(structured, structured_param and f"agents.{i}.{structured_param}")
+            params = body.sampling_params(None, structured=structured,
+                                          **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
             prepared = await self._validate(lambda: self._chat_request(messages, params, f"{key}-{i}", namespace),
                                             f"agents.{i}.messages")
             turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i,
@@ -188,6 +220,14 @@ class Api:
 
     def _machine(self) -> dict:
         return describe_machine(self.engine.dtype, self.engine.cpu)
+
+    async def _compile(self, structured, param: str | None) -> None:
+        """A constraint compiled (and kept) before the request is queued: its errors name its field."""
+        if structured is not None:
+            await self._validate(lambda: self.engine.grammars.matcher(structured), param)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
@@ -247,39 +287,64 @@ class Api:
         if sink.first_output_time is not None:
             self.metrics.observe("tokendance_time_to_first_token_seconds", sink.first_output_time - started)
 
-    def _chat_chunks(self, key: str, sink: Sink, body: ChatCompletionRequest):
+    def _chat_chunks(self, key: str, sink: Sink, body: ChatCompletionRequest, tools):
+        """Content deltas as they come (with the logprobs of their tokens); with tools, the reply is
+        held until it finished and sent in one delta, its calls parsed into `tool_calls`."""
         created, model = int(time.time()), self.config.model_name
+        reported: dict[int, int] = {}  # tokens whose logprobs went out, per choice
 
-        def chunk(delta: dict, finish_reason=None) -> dict:
+        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
             return {"id": key, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish_reason}]}
 
-        def render(index: int, text: str, output: RequestOutput) -> dict:
-            body = chunk({"content": text} if text else {}, output.finish_reason)
+        def render(index: int, text: str, output: RequestOutput) -> dict | None:
+            if tools is not None:
+                if not output.finished:
+                    return None
+                message, finish_reason = chat_message(output, tools)
+                body = chunk(index, {k: v for k, v in message.items() if k != "role" and v is not None},
+                             finish_reason)
+                for position, call in enumerate(message.get("tool_calls", [])):
+                    call["index"] = position
+            else:
+                logprobs = None
+                if output.logprobs:
+                    done = reported.get(index, 0)
+                    reported[index] = len(output.logprobs)
+                    logprobs = chat_logprobs(output.logprobs[done:], self._token_text, self._hidden)
+                body = chunk(index, {"content": text} if text else {}, output.finish_reason, logprobs)
             if output.finished and 0 in sink.round_info:
                 body["round"] = sink.round_info[0]
             return body
 
-        tail = None
-        if body.stream_options and body.stream_options.include_usage:
-            def tail(outputs):
-                return {**chunk({}), "choices": [], "usage": usage(outputs)}
-        return render, chunk({"role": "assistant", "content": ""}), tail
+        def tail(outputs):
+            return {**chunk(0, {}), "choices": [], "usage": usage(outputs, len(outputs))}
+
+        first = [chunk(i, {"role": "assistant", "content": ""}) for i in range(body.n)]
+        include_usage = body.stream_options and body.stream_options.include_usage
+        return render, first, tail if include_usage else None
 
     def _completion_chunks(self, key: str, body: CompletionRequest):
         created, model = int(time.time()), self.config.model_name
+        reported: dict[int, tuple[int, int]] = {}  # per choice: tokens whose logprobs went out, text offset
 
         def render(index: int, text: str, output: RequestOutput) -> dict:
+            logprobs = None
+            if output.logprobs:
+                done, offset = reported.get(index, (0, 0))
+                logprobs = completion_logprobs(output.logprobs[done:], self._token_text, offset, self._hidden)
+                reported[index] = (len(output.logprobs), offset + sum(map(len, logprobs["tokens"])))
             return {"id": key, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": None,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": output.finish_reason}]}
 
         tail = None
         if body.stream_options and body.stream_options.include_usage:
             def tail(outputs):
                 return {"id": key, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": usage(outputs)}
-        return render, None, tail
+                        "choices": [], "usage": usage(outputs, body.n)}
+        return render, [], tail
 
 
 async def _disconnected(request: Request) -> None:

@@ -53,6 +53,9 @@ class Route:
 class GenerateJob:
     requests: list  # validated engine Requests, one per choice
     sink: Sink
+    # n choices of one prompt (consecutive requests with the same prompt): the first computes the
+    # prompt, the others are added once it has (its first token), and find it in the prefix cache
+    share_prompt: bool = False
 
 
 @dataclass
@@ -93,6 +96,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, Route] = {}  # engine request id -> route (ordinary requests)
         self._agents: dict[str, Route] = {}  # engine agent id -> route, while its round runs
+        self._followers: dict[str, list[tuple[Any, Route]]] = {}  # leader request id -> choices held back
         self._anonymous = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokendance-engine", daemon=True)
@@ -166,8 +170,16 @@ class EngineLoop:
         if job is _STOP:
             self._stopping = True
         elif isinstance(job, GenerateJob):
+            leader = None
             for index, request in enumerate(job.requests):
-                self._add(request, Route(job.sink, index))
+                route = Route(job.sink, index)
+                if job.share_prompt and leader is not None and leader.prompt_token_ids == request.prompt_token_ids:
+                    self._followers[leader.request_id].append((request, route))
+                    continue
+                leader = request
+                if job.share_prompt:
+                    self._followers[request.request_id] = []
+                self._add(request, route)
         elif isinstance(job, TurnJob):
             try:
                 self.gatherer.add(job.turn)
@@ -196,13 +208,19 @@ class EngineLoop:
 
     def _add(self, request, route: Route) -> None:
         if route.sink.closed:
+            self._followers.pop(request.request_id, None)
             return
         try:
             self.engine.add(request)
         except InvalidRequestError as exc:
             route.sink.fail(ApiError.from_engine(exc))
+            self._followers.pop(request.request_id, None)
             return
         self._routes[request.request_id] = route
+
+    def _release_followers(self, leader_id: str) -> None:
+        for request, route in self._followers.pop(leader_id, ()):
+            self._add(request, route)
 
     def _step(self) -> None:
         try:
@@ -211,6 +229,7 @@ class EngineLoop:
             log.exception("engine step failed")
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
+                self._followers.pop(request_id, None)
                 route = self._routes.pop(request_id, None)
                 if route is not None:
                     route.sink.fail(ApiError(500, f"engine failure: {exc}", type="server_error"))
@@ -219,6 +238,8 @@ class EngineLoop:
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
+        if output.request_id in self._followers:  # its prompt is computed: its sibling choices start
+            self._release_followers(output.request_id)
         routes, key = self._routes, output.request_id
         if key not in routes and output.agent_id is not None:  # an agent's turn in a round
             routes, key = self._agents, output.agent_id
@@ -238,6 +259,7 @@ class EngineLoop:
         self.gatherer.remove(sink.key)
         for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
             del self._routes[request_id]
+            self._followers.pop(request_id, None)
             self._aborted(self.engine.abort_request(request_id))
         for agent_id in [a for a, route in self._agents.items() if route.sink is sink]:
             del self._agents[agent_id]  # the round goes on without it (a later wave runs it unheard)

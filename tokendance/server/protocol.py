@@ -2,14 +2,17 @@
 
 Validation happens in two layers: pydantic checks presence and types (a 400 naming the field),
 `SamplingParams` and the engine check values (a 400 naming the field, or a code such as
-`context_length_exceeded`). Fields a client may send that this server cannot honour (n > 1,
-logprobs, tools, ...) are rejected, never silently ignored.
+`context_length_exceeded`). Fields a client may send that this server cannot honour (best_of,
+logit_bias, penalties, ...) are rejected, never silently ignored, and the error names the field
+without repeating its value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -21,13 +24,17 @@ from tokendance.errors import (
     TokenDanceError,
 )
 from tokendance.outputs import RequestOutput
-from tokendance.sampling import SamplingParams
+from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from tokendance.server.tools import ToolError, Tools, parse_tool_calls, render_tool_calls
+from tokendance.structured import StructuredOutput
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 Number = StrictInt | StrictFloat  # JSON numbers only: "0.5" or true are rejected, as OpenAI does
 MAX_STOP_STRINGS = 64
 MAX_PROMPTS = 128  # prompts in one /v1/completions request
 MAX_ECHO = 64  # characters of a client's value repeated in an error message
+MAX_N = 16  # choices per request
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI caps it
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
 
 
@@ -55,6 +62,14 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------- requests
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The sampling params of choice `index` of n: a seeded request's choices get seeds seed + i,
+    so they differ and each is reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def echo(value) -> str:
@@ -88,6 +103,47 @@ class SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=1024)
     ignore_eos: StrictBool | None = None
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    # structured output: OpenAI's response_format, and vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1, max_length=1024)
+    guided_grammar: StrictStr | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The one constraint the request asks for, if any, and the field that asked for it."""
+        asked = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                asked["response_format"] = StructuredOutput(json_object=True)
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                                   param="response_format", code="invalid_value")
+                asked["response_format"] = schema
+            elif kind != "text":
+                raise ApiError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
+                               param="response_format", code="invalid_value")
+        asked.update({name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar") if getattr(self, name) is not None})
+        if len(asked) > 1:
+            raise ApiError(400, f"at most one of response_format and guided_* per request, got {', '.join(asked)}",
+                           param=next(iter(asked)), code="invalid_value")
+        if not asked:
+            return None, None
+        (param, value), = asked.items()
+        if isinstance(value, StructuredOutput):
+            return value, param
+        field = {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}.get(param, "json")
+        try:
+            return StructuredOutput(**{field: value}), param
+        except InvalidRequestError as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
     def sampling_params(self, default_max_tokens: int | None, **overrides) -> SamplingParams:
         values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
@@ -108,18 +164,13 @@ class SamplingFields(BaseModel):
         """Reject features this server does not implement instead of ignoring them."""
         extra = self.model_extra or {}
         unsupported = {
-            "n": lambda v: v not in (None, 1),
             "best_of": lambda v: v not in (None, 1),
-            "logprobs": lambda v: v not in (None, False),
-            "top_logprobs": lambda v: v is not None,
             "echo": lambda v: bool(v),
             "suffix": lambda v: v is not None,
-            "tools": lambda v: bool(v),
             "functions": lambda v: bool(v),
             "logit_bias": lambda v: bool(v),
             "presence_penalty": lambda v: v not in (None, 0),
             "frequency_penalty": lambda v: v not in (None, 0),
-            "response_format": lambda v: v not in (None, {"type": "text"}),
         }
         for name, rejected in unsupported.items():
             if name in extra and rejected(extra[name]):
@@ -134,6 +185,9 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool result's call
+    name: StrictStr | None = None
 
     def as_dict(self, index: int) -> dict[str, str]:
         if self.role not in ROLES:
@@ -144,6 +198,8 @@ class ChatMessage(BaseModel):
             if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ApiError(400, "only text content parts are supported", param=f"messages.{index}.content")
             content = "".join(p["text"] for p in content)
+        if self.role == "assistant" and self.tool_calls:
+            content = (content or "") + render_tool_calls(self.tool_calls)
         if content is None:
             raise ApiError(400, f"messages[{index}].content is required", param=f"messages.{index}.content")
         check_text(content, f"messages.{index}.content")
@@ -162,9 +218,25 @@ class ChatCompletionRequest(SamplingFields):
     round_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     round_size: StrictInt | None = Field(default=None, ge=1, le=4096)
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [m.as_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_set(self) -> Tools | None:
+        try:
+            return Tools.from_request(self.tools, self.tool_choice)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
@@ -173,6 +245,7 @@ class CompletionRequest(SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -197,6 +270,8 @@ class RoundRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.n != 1 or any(a.n != 1 for a in self.agents):
+            raise ApiError(400, "n must be 1 in a round (one turn per agent)", param="n", code="unsupported_parameter")
         if (self.model_extra or {}).get("stream"):
             raise ApiError(400, "/v1/rounds does not stream; stream each agent's chat request instead "
                            "(with round_id and round_size)", param="stream", code="unsupported_parameter")
@@ -205,47 +280,89 @@ class RoundRequest(SamplingFields):
 # ---------------------------------------------------------------- responses
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(o.num_prompt_tokens for o in outputs)
+def usage(outputs: list[RequestOutput], n: int = 1) -> dict:
+    """Token counts of a request's choices; with n choices per prompt, each prompt counts once
+    (outputs are prompt-major: every prompt's n choices in a row)."""
+    prompt = sum(o.num_prompt_tokens for o in outputs[::n])
     completion = sum(o.num_generated_tokens for o in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs[::n])},
     }
 
 
-def chat_response(request_id: str, model: str, output: RequestOutput, round_info: dict | None) -> dict:
+TokenText = Callable[[int], str]  # a token id's text
+
+
+def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText, hidden: frozenset[int] = frozenset()) -> dict:
+    """OpenAI's chat `logprobs`; the `hidden` tokens (EOS: not part of the content) are left out."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries if e.token_id not in hidden]}
+
+
+def completion_logprobs(entries: list[TokenLogprobs], token_text: TokenText, offset: int = 0,
+                        hidden: frozenset[int] = frozenset()) -> dict:
+    entries = [e for e in entries if e.token_id not in hidden]
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_message(output: RequestOutput, tools: Tools | None) -> tuple[dict, str | None]:
+    """The assistant message of a choice and its finish reason (tool calls parsed out)."""
+    message = {"role": "assistant", "content": output.text}
+    if tools is not None:
+        content, calls = parse_tool_calls(output.text, tools)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            return message, "tool_calls" if output.finish_reason == "stop" else output.finish_reason
+    return message, output.finish_reason
+
+
+def chat_response(request_id: str, model: str, outputs: list[RequestOutput], round_info: dict | None,
+                  tools: Tools | None = None, token_text: TokenText | None = None,
+                  hidden: frozenset[int] = frozenset()) -> dict:
+    choices = []
+    for i, output in enumerate(outputs):
+        message, finish_reason = chat_message(output, tools)
+        logprobs = chat_logprobs(output.logprobs, token_text, hidden) if token_text and output.logprobs else None
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
     body = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": output.text},
-            "logprobs": None,
-            "finish_reason": output.finish_reason,
-        }],
-        "usage": usage([output]),
+        "choices": choices,
+        "usage": usage(outputs, len(outputs)),
     }
     if round_info is not None:
         body["round"] = round_info
     return body
 
 
-def completion_response(request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], n: int = 1,
+                        token_text: TokenText | None = None, hidden: frozenset[int] = frozenset()) -> dict:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+            {"index": i, "text": o.text, "finish_reason": o.finish_reason,
+             "logprobs": completion_logprobs(o.logprobs, token_text, 0, hidden) if token_text and o.logprobs else None}
             for i, o in enumerate(outputs)
         ],
-        "usage": usage(outputs),
+        "usage": usage(outputs, n),
     }
 
 

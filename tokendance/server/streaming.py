@@ -32,22 +32,24 @@ class TextDeltas:
         return text[len(sent):]
 
 
-Render = Callable[[int, str, RequestOutput], dict]
+Render = Callable[[int, str, RequestOutput], dict | None]  # None: nothing to send yet
 
 
-async def events(sink: Sink, deltas: TextDeltas, render: Render, first: dict | None = None,
+async def events(sink: Sink, deltas: TextDeltas, render: Render, first: list[dict] = (),
                  tail: Callable[[list[RequestOutput]], dict] | None = None) -> AsyncIterator[str]:
-    """`first`, then one event per choice that got new text or finished, then `tail(outputs)`
-    (the usage chunk), then [DONE]. An engine error becomes an error event."""
-    if first is not None:
-        yield sse(first)
+    """The `first` events, then one event per choice that got new text or finished, then
+    `tail(outputs)` (the usage chunk), then [DONE]. An engine error becomes an error event."""
+    for event in first:
+        yield sse(event)
     try:
         async for changed in sink.updates():
             for index in changed:
                 output = sink.outputs[index]
                 text = deltas.next(index, output)
                 if text or output.finished:
-                    yield sse(render(index, text, output))
+                    event = render(index, text, output)
+                    if event is not None:
+                        yield sse(event)
     except ApiError as error:
         yield sse(error.body())
     else:

@@ -50,6 +50,20 @@ typedef struct {
     int64_t request, column, shift, next;
 } Reader;
 
+typedef struct { /* a request's run of consecutive slots [start, end) with one shift */
+    int64_t start, end, request, column, shift;
+} Piece;
+
+static int compare_pieces(const void *a, const void *b) {
+    const int64_t x = ((const Piece *)a)->start, y = ((const Piece *)b)->start;
+    return (x > y) - (x < y);
+}
+
+static int compare_int64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* exp(x) for x <= 0 as 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5]: relative
  * error ~2e-7 (float32 rounding level), and unlike libm's expf it vectorizes. exp(-inf) = 0. */
 static inline float exp_nonpositive(float x) {
@@ -162,20 +176,22 @@ static inline __attribute__((always_inline)) void score_rows(const Context *c, i
     }
 }
 
-/* The same from keys transposed once per chunk (kt: [num_kv_heads][dim][CHUNK], zero beyond n):
- * for a chunk read by many queries, scores vectorize over the keys with no reductions. */
+/* The same from keys transposed once per chunk (kt: [num_kv_heads][dim][CHUNK], zero from n to
+ * `width`, n rounded up to a multiple of 16): for a chunk read by many queries, scores vectorize
+ * over the keys with no reductions. */
 static inline __attribute__((always_inline)) void score_transposed(int64_t num_kv_heads, int64_t dim, int64_t group,
                                                                    float q[][MAX_GROUP][MAX_DIM],
-                                                                   const float *restrict kt, float scores[][CHUNK]) {
+                                                                   const float *restrict kt, int64_t width,
+                                                                   float scores[][CHUNK]) {
     for (int64_t h = 0; h < num_kv_heads; h++) {
         for (int64_t g = 0; g < group; g++) {
             float s[CHUNK] __attribute__((aligned(64))) = {0};
             for (int64_t i = 0; i < dim; i++) {
                 const float qi = q[h][g][i];
                 const float *row = kt + (h * dim + i) * CHUNK;
-                for (int64_t k = 0; k < CHUNK; k++) s[k] += qi * row[k];
+                for (int64_t k = 0; k < width; k++) s[k] += qi * row[k];
             }
-            for (int64_t k = 0; k < CHUNK; k++) scores[h * group + g][k] = s[k];
+            for (int64_t k = 0; k < width; k++) scores[h * group + g][k] = s[k];
         }
     }
 }
@@ -267,7 +283,8 @@ static inline __attribute__((always_inline)) void shared_item(const Context *c, 
         for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + r * num_heads + h * group);
     for (int64_t start = 0; start < run->length; start += CHUNK) {
         const int64_t n = run->length - start < CHUNK ? run->length - start : CHUNK;
-        for (int64_t k = 0; k < CHUNK; k++) {
+        const int64_t width = (n + 15) & ~(int64_t)15;
+        for (int64_t k = 0; k < width; k++) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 float *vk = v + (h * CHUNK + k) * dim;
                 if (k < n) {
@@ -284,7 +301,7 @@ static inline __attribute__((always_inline)) void shared_item(const Context *c, 
             const Reader *reader = &readers[e];
             for (int64_t h = 0; h < num_kv_heads; h++)
                 rotate_queries(c, q + (reader->request * num_heads + h * group) * dim, reader->shift, rotated[h]);
-            score_transposed(num_kv_heads, dim, group, rotated, kt, scores);
+            score_transposed(num_kv_heads, dim, group, rotated, kt, width, scores);
             accumulate(c, dim, group, scores, NULL, v, n, states + r * num_heads);
         }
     }
@@ -324,21 +341,19 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     Context c = {keys, values, bf16, slot_positions, shift_cos, shift_sin, max_shift, num_heads, num_kv_heads,
                  group, dim, scale};
 
-    /* 1. Runs of consecutive slots with one shift, at least MIN_SHARED_RUN long, grouped by
-     *    (first slot, length) in an open-addressing table: runs with several readers are shared. */
-    int64_t total = 0;
+    /* 1. Each request's context as runs of consecutive slots with one shift. Where runs of several
+     *    requests overlap in slot space (a master span, possibly cut differently in each table by
+     *    the agent's own diff blocks), the overlap is read once for all of them: the slot axis is
+     *    cut at every run's ends, and each piece covered by two runs or more (and at least
+     *    MIN_SHARED_RUN long) is a shared item whose readers are those runs' requests. */
+    int64_t total = 0, num_pieces = 0;
     for (int64_t b = 0; b < batch; b++) total += lengths[b];
-    const int64_t max_runs = total / MIN_SHARED_RUN + 1, capacity = 2 * max_runs + 1;
-    Run *runs = malloc(sizeof(Run) * max_runs);
-    Reader *readers = malloc(sizeof(Reader) * max_runs);
-    int64_t *table = malloc(sizeof(int64_t) * capacity);
     uint8_t *shared = calloc(batch * width, 1);
-    int64_t num_runs = 0, num_readers = 0;
-    if (!runs || !readers || !table || !shared) {
-        free(runs), free(readers), free(table), free(shared);
+    Piece *pieces = malloc(sizeof(Piece) * (total / MIN_SHARED_RUN + 1));
+    if (!shared || !pieces) {
+        free(shared), free(pieces);
         return -2;
     }
-    for (int64_t i = 0; i < capacity; i++) table[i] = -1;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t *row = slots + b * width;
         int64_t start = 0;
@@ -346,42 +361,64 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
             const int ends = j == lengths[b] || row[j] != row[j - 1] + 1 ||
                              j - slot_positions[row[j]] != start - slot_positions[row[start]];
             if (!ends) continue;
-            const int64_t length = j - start;
-            if (length >= MIN_SHARED_RUN) {
-                uint64_t h = ((uint64_t)row[start] * 0x9E3779B97F4A7C15ull) ^ (uint64_t)length;
-                int64_t index = (int64_t)(h % (uint64_t)capacity);
-                while (table[index] >= 0 && !(runs[table[index]].slot_start == row[start] &&
-                                              runs[table[index]].length == length))
-                    index = (index + 1) % capacity;
-                if (table[index] < 0) {
-                    table[index] = num_runs;
-                    runs[num_runs++] = (Run){row[start], length, -1, 0};
-                }
-                Run *run = &runs[table[index]];
-                readers[num_readers] = (Reader){b, start, start - slot_positions[row[start]], run->first_reader};
-                run->first_reader = num_readers++;
-                run->num_readers++;
-            }
+            if (j - start >= MIN_SHARED_RUN)
+                pieces[num_pieces++] = (Piece){row[start], row[start] + j - start, b, start,
+                                               start - slot_positions[row[start]]};
             start = j;
         }
     }
-    /* only runs with several readers are shared; list them, and mark their columns */
-    int64_t num_shared = 0, num_shared_readers = 0;
-    for (int64_t u = 0; u < num_runs; u++) {
-        if (runs[u].num_readers < 2) continue;
-        runs[num_shared++] = runs[u];
-        for (int64_t e = runs[u].first_reader; e >= 0; e = readers[e].next) {
-            memset(shared + readers[e].request * width + readers[e].column, 1, runs[u].length);
-            num_shared_readers++;
+    qsort(pieces, num_pieces, sizeof(Piece), compare_pieces);
+    int64_t *cuts = malloc(sizeof(int64_t) * (2 * num_pieces + 1));
+    int64_t *active = malloc(sizeof(int64_t) * (num_pieces + 1));
+    Run *runs = malloc(sizeof(Run) * (2 * num_pieces + 1));
+    int64_t readers_capacity = 2 * num_pieces + 16, num_readers = 0, num_shared = 0, num_active = 0;
+    Reader *readers = malloc(sizeof(Reader) * readers_capacity);
+    if (!cuts || !active || !runs || !readers) {
+        free(shared), free(pieces), free(cuts), free(active), free(runs), free(readers);
+        return -2;
+    }
+    int64_t num_cuts = 0;
+    for (int64_t i = 0; i < num_pieces; i++) cuts[num_cuts++] = pieces[i].start, cuts[num_cuts++] = pieces[i].end;
+    qsort(cuts, num_cuts, sizeof(int64_t), compare_int64);
+    for (int64_t k = 0, next = 0; k + 1 < num_cuts; k++) {
+        const int64_t lo = cuts[k], hi = cuts[k + 1];
+        if (lo == hi) continue;
+        int64_t kept = 0; /* the pieces covering [lo, hi): drop those that ended, add those starting */
+        for (int64_t a = 0; a < num_active; a++)
+            if (pieces[active[a]].end > lo) active[kept++] = active[a];
+        num_active = kept;
+        for (; next < num_pieces && pieces[next].start <= lo; next++)
+            if (pieces[next].end > lo) active[num_active++] = next;
+        if (num_active < 2 || hi - lo < MIN_SHARED_RUN) continue;
+        if (num_readers + num_active > readers_capacity) {
+            readers_capacity = 2 * (num_readers + num_active);
+            Reader *grown = realloc(readers, sizeof(Reader) * readers_capacity);
+            if (!grown) {
+                free(shared), free(pieces), free(cuts), free(active), free(runs), free(readers);
+                return -2;
+            }
+            readers = grown;
+        }
+        Run *run = &runs[num_shared++];
+        *run = (Run){lo, hi - lo, -1, 0};
+        for (int64_t a = 0; a < num_active; a++) {
+            const Piece *piece = &pieces[active[a]];
+            const int64_t column = piece->column + (lo - piece->start);
+            readers[num_readers] = (Reader){piece->request, column, piece->shift, run->first_reader};
+            run->first_reader = num_readers++;
+            run->num_readers++;
+            memset(shared + piece->request * width + column, 1, hi - lo);
         }
     }
+    const int64_t num_shared_readers = num_readers;
+    free(pieces), free(cuts), free(active);
     /* partial states: batch private ones, then one per (shared run, reader), each [heads][group] */
     int64_t *offsets = malloc(sizeof(int64_t) * (num_shared + 1));
     State *partials = malloc(sizeof(State) * (batch + num_shared_readers) * num_heads);
     const int64_t scratch_floats = 2 * num_kv_heads * dim * CHUNK; /* per thread, for shared runs */
     float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats * num_threads);
     if (!offsets || !partials || !scratch) {
-        free(runs), free(readers), free(table), free(shared), free(offsets), free(partials), free(scratch);
+        free(runs), free(readers), free(shared), free(offsets), free(partials), free(scratch);
         return -2;
     }
     offsets[0] = batch;
@@ -434,7 +471,7 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     for (int64_t u = 0; u < num_shared; u++) loaded += runs[u].length;
     stats[0] = loaded * num_kv_heads;
     stats[1] = total * num_kv_heads;
-    free(runs), free(readers), free(table), free(shared), free(offsets), free(partials), free(scratch);
+    free(runs), free(readers), free(shared), free(offsets), free(partials), free(scratch);
     free(first_partial), free(next_partial);
     return 0;
 }
