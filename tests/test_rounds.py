@@ -59,6 +59,21 @@ def test_full_recompute_reproduces_full_prefill(make_llm):
             assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
 
 
+@pytest.mark.parametrize("mode", ["tokendance", "pic"])
+def test_round_outputs_do_not_depend_on_turn_order(make_llm, mode):
+    """The same rounds submitted in another order (to a second engine) give identical outputs:
+    masters, selection and batches follow the contents, not the arrival order."""
+    ordered, shuffled = make_llm(reuse=mode), make_llm(reuse=mode)
+    for rounds in (1, 2):  # round 2: sessions and recalled segments too
+        turns = round_turns(rounds)
+        permuted = [turns[i] for i in random.Random(rounds).sample(range(len(turns)), len(turns))]
+        assert [t.agent_id for t in permuted] != [t.agent_id for t in turns]
+        want = {o.agent_id: (o.token_ids, o.num_cached_tokens) for o in ordered.run_round(turns, PARAMS).outputs}
+        got = shuffled.run_round(permuted, PARAMS).outputs
+        assert [o.agent_id for o in got] == [t.agent_id for t in permuted]
+        assert {o.agent_id: (o.token_ids, o.num_cached_tokens) for o in got} == want
+
+
 def test_master_mirror_reads_equal_private_corrected_copies(make_llm):
     """tokendance reads master keys rotated at attention time; pic copies them rotated into private
     blocks. With the same selection both must compute the same thing."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokendance.errors import InvalidRequestError
-from tokendance.structured import GrammarCompiler, Guide, StructuredOutput
+from tokendance.structured import GrammarCompiler, Guide, StructuredOutput, allowed_tokens
 
 MAX_TOP_LOGPROBS = 20
 
@@ -129,22 +129,22 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[int]:  # logits: [B, vocab]
+        guides = [self._guide(request_id, p) for request_id, p in zip(request_ids, params)]
+        guided = [row for row, guide in enumerate(guides) if guide is not None]
+        if guided:  # one bitmask for all guided rows, applied to a copy of those rows
+            allowed = allowed_tokens([guides[row] for row in guided], logits.shape[-1])
+            masked = logits[guided].masked_fill(~allowed, float("-inf"))
         # max().indices: same choice as argmax, measured 5x faster on bf16 rows on CPU
         tokens = logits.max(dim=-1).indices.tolist()
+        if guided:
+            for row, token in zip(guided, masked.max(dim=-1).indices.tolist()):
+                tokens[row] = token
         for row, (request_id, p) in enumerate(zip(request_ids, params)):
-            guide = self._guide(request_id, p)
-            if guide is None and p.is_greedy:
-                continue
-            row_logits = logits[row]
-            if guide is not None:
-                allowed = guide.allowed(row_logits.numel())
-                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
-                if p.is_greedy:
-                    tokens[row] = int(row_logits.argmax())
             if not p.is_greedy:
+                row_logits = masked[guided.index(row)] if guides[row] is not None else logits[row]
                 tokens[row] = self._sample_row(row_logits, request_id, p)
-            if guide is not None:
-                guide.consume(tokens[row])
+        for row in guided:
+            guides[row].consume(tokens[row])
         return tokens
 
     def release(self, request_id: str) -> None:

@@ -136,14 +136,11 @@ class Guide:
         self.matcher = matcher
         self.num_consumed = 0
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:  # [vocab] bool
-        words = (vocab_size + 31) // 32
-        mask = torch.empty(words, dtype=torch.int32)
-        self.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+    def fill_mask(self, words: torch.Tensor) -> None:
+        """The allowed next tokens as bits into `words` (int32, one bit per token id)."""
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if self.matcher.is_error():
             raise RuntimeError(f"structured output failed: {self.matcher.get_error()[:300]}")
-        bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.reshape(-1)[:vocab_size].bool()
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -154,3 +151,13 @@ class Guide:
         if num_consumed < self.num_consumed:
             self.matcher.rollback(self.num_consumed - num_consumed)
             self.num_consumed = num_consumed
+
+
+BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(guides: list[Guide], vocab_size: int) -> torch.Tensor:  # [len(guides), vocab] bool
+    words = torch.empty(len(guides), (vocab_size + 31) // 32, dtype=torch.int32)
+    for row, guide in enumerate(guides):
+        guide.fill_mask(words[row])
+    return ((words[:, :, None] >> BITS) & 1).reshape(len(guides), -1)[:, :vocab_size].bool()

@@ -110,12 +110,23 @@ class RoundRunner:
         tokenized, params = self._validate(turns, params)
         for turn, p in zip(tokenized, params):  # every request is valid before any wave starts
             self.engine.make_request(turn.token_ids, p, namespace=turn.namespace)
+        # The round runs in an order of its contents (then agent ids), not of arrival: masters,
+        # selection, waves and batch composition, hence the outputs, do not depend on the order
+        # the turns came in.
+        order = sorted(range(len(tokenized)),
+                       key=lambda i: (tokenized[i].namespace, tokenized[i].token_ids, tokenized[i].agent_id))
+        tokenized, params = [tokenized[i] for i in order], [params[i] for i in order]
         started = time.perf_counter()
         waves = self._run_waves(tokenized, params, on_output)
         if len(waves) == 1:
-            return waves[0]
-        stats = merge_waves([(w.outputs, w.stats) for w in waves], started)
-        return RoundResult([o for w in waves for o in w.outputs], stats)
+            result = waves[0]
+        else:
+            stats = merge_waves([(w.outputs, w.stats) for w in waves], started)
+            result = RoundResult([o for w in waves for o in w.outputs], stats)
+        outputs = [None] * len(order)
+        for position, index in enumerate(order):
+            outputs[index] = result.outputs[position]
+        return RoundResult(outputs, result.stats)
 
     def _run_waves(self, tokenized, params, on_output) -> list[RoundResult]:
         """The whole round at once or, when the pool cannot hold the round's prepared KV, in two
