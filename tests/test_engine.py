@@ -164,6 +164,13 @@ def test_bad_prompts_are_rejected_and_nothing_is_lost(llm_fp32):
         llm_fp32.generate(["fine prompt", ""], GREEDY)  # validated before anything is scheduled
     with pytest.raises(ContextLengthError, match="context window"):
         llm_fp32.generate([1] * engine.max_model_len, GREEDY)
+    # far too long to fit: refused by its length in characters, before it is tokenized
+    huge = "a" * (2 * engine.max_model_len * engine.tokenizer.max_chars_per_token + 1)
+    with pytest.raises(ContextLengthError, match="characters"):
+        llm_fp32.generate(huge, GREEDY)
+    # every spelling in the vocabulary is at least as long as the text it stands for
+    word = "tokenization " * 50
+    assert len(engine.tokenizer.encode(word)) >= len(word) / engine.tokenizer.max_chars_per_token
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm_fp32.generate([[5, 10**9]], GREEDY)
     with pytest.raises(InvalidRequestError, match="role"):

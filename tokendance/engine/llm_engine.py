@@ -135,6 +135,7 @@ class LLMEngine:
         if params.structured is not None:
             self.grammars.matcher(params.structured)  # compiled (and kept) now: a bad grammar is the caller's error
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, token_ids = None, list(prompt)
@@ -174,6 +175,15 @@ class LLMEngine:
             retain_kv=retain_kv,
             arrival_time=time.perf_counter(),
         )
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Reject a text that cannot fit the context window before tokenizing it (a 5 MB prompt
+        took seconds to tokenize only to be refused)."""
+        if num_chars > 2 * self.max_model_len * self.tokenizer.max_chars_per_token:
+            raise ContextLengthError(
+                f"prompt has {num_chars} characters, more than any {self.max_model_len}-token context window "
+                "holds with this tokenizer"
+            )
 
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:

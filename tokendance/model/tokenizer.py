@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jinja2
@@ -42,6 +43,13 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token covers (a vocabulary entry's spelling is at
+        least as long as the text it stands for: bytes for byte-level BPE, `<|im_start|>` itself
+        for special tokens): a text of n characters has at least n / this many tokens."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -241,6 +241,7 @@ class Api:
     def _chat_request(self, messages, params, request_id: str, namespace: str):
         """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
         joins a round or not, and a shared message the same ids wherever it sits."""
+        self.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
         token_ids = [t for segment in chat_segments(self.engine.tokenizer, messages) for t in segment]
         if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
             room = min(self.engine.max_model_len, self.engine.num_kv_tokens) - len(token_ids)
