@@ -110,6 +110,14 @@ def guarded():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def tenants():
+    s = Server("--api-key", "key-a", "--api-key", "key-b", "--gather-window-ms", "0",
+               "--kv-cache-bytes", kv_bytes(2912), api_key="key-a")
+    yield s
+    s.stop()
+
+
 def salt() -> str:
     return uuid.uuid4().hex
 
@@ -503,6 +511,26 @@ def test_api_key_required(guarded):
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 8000000\r\n\r\n" + b"x" * 1000)
         assert raw.recv(200).startswith(b"HTTP/1.1 401")
+
+
+def test_api_keys_are_tenants_that_never_share_kv(tenants):
+    """Without any cache_salt, a prompt cached for one key is not cached for the other (no probing
+    another tenant's prompts through cached_tokens), and agents are scoped by key."""
+    a, b = tenants.client("key-a"), tenants.client("key-b")
+    messages = [{"role": "system", "content": "You are the archivist of a very secret library. " * 8},
+                {"role": "user", "content": "Which book is on the top shelf?"}]
+
+    def cached(client, **extra) -> int:
+        reply = client.chat.completions.create(model=tenants.model, messages=messages, max_tokens=2, **extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(a) == 0 and cached(a) > 0  # the same tenant shares its prefix cache
+    assert cached(b) == 0 and cached(b) > 0  # the other tenant starts cold
+    cached(a, extra_body={"agent_id": "scribe"})
+    auth = {"Authorization": "Bearer key-b"}
+    assert tenants.request("DELETE", "/v1/agents/scribe", headers=auth)[0] == 404  # not b's agent
+    assert tenants.request("DELETE", "/v1/agents/scribe", headers={"Authorization": "Bearer key-a"})[0] == 200
+    assert tenants.request("GET", "/v1/models", headers={"Authorization": "Bearer key-c"})[0] == 401
 
 
 def test_too_many_concurrent_requests_get_429(guarded):

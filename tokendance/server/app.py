@@ -116,9 +116,9 @@ class Api:
         self._check_model(model)
         return self._model_card()
 
-    async def end_agent(self, agent_id: str, cache_salt: str = ""):
+    async def end_agent(self, agent_id: str, request: Request, cache_salt: str = ""):
         """Drop an agent's session (its KV); 404 if it has none."""
-        name = engine_agent_id(cache_salt, agent_id)
+        name = engine_agent_id(_namespace(request, cache_salt), agent_id)
         running, ended = await self.loop.call(lambda: (self.llm.rounds.is_running(name), self.llm.end_agent(name)))
         if not ended:
             raise ApiError(404, f"agent {echo(agent_id)} has no session", param="agent_id", code="agent_not_found")
@@ -145,7 +145,7 @@ class Api:
         messages = render_messages(body.chat_messages(), tools)
         params = body.sampling_params(None, max_tokens=body.max_completion_tokens, structured=structured,
                                       logprobs=body.num_logprobs())
-        key, namespace = f"chatcmpl-{uuid.uuid4().hex}", body.cache_salt or ""
+        key, namespace = f"chatcmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         sink = Sink(key, body.n)
         if body.n == 1:
             prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
@@ -171,7 +171,8 @@ class Api:
         structured, structured_param = body.structured_output()
         await self._compile(structured, structured_param)
         params = body.sampling_params(16, structured=structured, logprobs=body.logprobs)
-        key, namespace, prompts, n = f"cmpl-{uuid.uuid4().hex}", body.cache_salt or "", body.prompts(), body.n
+        key, namespace = f"cmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
+        prompts, n = body.prompts(), body.n
         requests = await self._validate(
             lambda: [self.engine.make_request(p, choice_params(params, c), f"{key}-{i * n + c}", namespace)
                      for i, p in enumerate(prompts) for c in range(n)],
@@ -191,7 +192,7 @@ class Api:
         agent_ids = [a.agent_id for a in body.agents]
         if len(set(agent_ids)) != len(agent_ids):
             raise ApiError(400, "agent ids of a round must be distinct", param="agents")
-        key, namespace = f"round-{uuid.uuid4().hex}", body.cache_salt or ""
+        key, namespace = f"round-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         sink = Sink(key, len(agent_ids), wants_stats=True)
         turns = []
         for i, agent in enumerate(body.agents):
@@ -346,6 +347,12 @@ class Api:
                 return {"id": key, "object": "text_completion", "created": created, "model": model,
                         "choices": [], "usage": usage(outputs, body.n)}
         return render, [], tail
+
+
+def _namespace(request: Request, cache_salt: str | None) -> str:
+    """The cache namespace of a request: its `cache_salt`, within its API key's tenant."""
+    tenant = request.scope.get("state", {}).get("tenant")
+    return f"{tenant}/{cache_salt or ''}" if tenant else cache_salt or ""
 
 
 async def _disconnected(request: Request) -> None:

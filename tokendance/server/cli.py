@@ -40,8 +40,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,
         help="how long a declared round (round_id + round_size) waits for its missing members")
-    add("--api-key", default=os.environ.get("TOKENDANCE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENDANCE_API_KEY, else none)")
+    add("--api-key", action="append", default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several tenants, whose prefix "
+             "caches, sessions and shared KV are kept apart (default: $TOKENDANCE_API_KEY, comma-separated; else none)")
     add("--max-concurrent-requests", type=int, default=256, help="more in flight are answered 429")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -71,7 +72,7 @@ def run_server(args: argparse.Namespace) -> int:
     llm.warm_up()  # compile the kernels now, not on the first clients' round
     config = ServerConfig(
         model_name=args.served_model_name or llm.engine.model_name,
-        api_key=args.api_key or None,
+        api_keys=tuple(args.api_key or [k for k in os.environ.get("TOKENDANCE_API_KEY", "").split(",") if k]),
         gather_window_s=args.gather_window_ms / 1000,
         round_timeout_s=args.round_timeout_ms / 1000,
         max_concurrent_requests=args.max_concurrent_requests,

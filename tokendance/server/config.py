@@ -10,10 +10,11 @@ from tokendance.errors import InvalidRequestError
 @dataclass(frozen=True)
 class ServerConfig:
     """`gather_window_s` 0 disables transparent rounds; `round_timeout_s` bounds the wait of a
-    declared round (`round_id` + `round_size`) for its missing members."""
+    declared round (`round_id` + `round_size`) for its missing members. Each of `api_keys` is a
+    tenant: its requests' cache namespace is scoped by the key (none: no key is required)."""
 
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     gather_window_s: float = 0.05
     round_timeout_s: float = 2.0
     max_concurrent_requests: int = 256
@@ -22,5 +23,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.gather_window_s < 0 or self.round_timeout_s < 0:
             raise InvalidRequestError("the gather window and the round timeout must be >= 0")
+        if any(not key for key in self.api_keys):
+            raise InvalidRequestError("an API key must not be empty")
         if self.max_concurrent_requests < 1 or self.max_body_bytes < 1:
             raise InvalidRequestError("max_concurrent_requests and max_body_bytes must be >= 1")

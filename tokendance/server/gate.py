@@ -8,6 +8,7 @@ instead of building an unbounded backlog of open connections.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.responses import JSONResponse
@@ -52,10 +53,13 @@ class Gate:
 
     async def _handle(self, scope, receive, send) -> None:
         # The key first: an unauthenticated client never gets its body read (nor buffered).
-        if self.config.api_key and _needs_key(scope["path"]) and not self._authorized(scope):
-            await _answer(scope, send, ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                                code="invalid_api_key"))
-            return
+        if self.config.api_keys and _needs_key(scope["path"]):
+            tenant = self._tenant(scope)
+            if tenant is None:
+                await _answer(scope, send, ApiError(401, "missing or invalid API key (send 'Authorization: Bearer "
+                                                    "<key>')", code="invalid_api_key"))
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
         body = await self._read_body(receive)
         if body is None:
             return  # the client disconnected while sending
@@ -99,10 +103,15 @@ class Gate:
             return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         return b"".join(chunks)
 
-    def _authorized(self, scope) -> bool:
-        expected = f"Bearer {self.config.api_key}".encode()
+    def _tenant(self, scope) -> str | None:
+        """The tenant of the request's key (a digest of the key, never the key), or None if the
+        key is missing or unknown. Every key is compared, in constant time."""
         given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, expected)
+        tenant = None
+        for key in self.config.api_keys:
+            if hmac.compare_digest(given, f"Bearer {key}".encode()):
+                tenant = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return tenant
 
 
 def _endpoint(path: str) -> str:
