@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -421,6 +422,27 @@ def test_hostile_values_fail_alone(server):
         {"agent_id": "bad", "messages": [{"role": "user", "content": "\ud800"}]}]})
     assert status == 400 and error["error"]["param"] == "messages.0.content"
     assert server.request("GET", "/health")[0] == 200
+
+
+def test_hostile_corpus_is_answered_4xx_and_changes_nothing(server):
+    """Every request of the checked-in corpus (tests/data/hostile_requests.json: malformed JSON,
+    wrong types, out-of-range values, bad constraints and tools, lone surrogates, deep nesting)
+    gets its 4xx with an OpenAI error body; the server stays healthy and holds no KV for them."""
+    corpus = json.loads((Path(__file__).parent / "data" / "hostile_requests.json").read_text())
+    used_before = server.metrics()["tokendance_kv_blocks_used"]
+    for case in corpus:
+        if "json" in case:
+            data = json.dumps(case["json"]).replace('"MODEL"', json.dumps(server.model)).encode()
+        elif "raw_hex" in case:
+            data = bytes.fromhex(case["raw_hex"])
+        else:
+            data = case["raw"].replace("MODEL", server.model).encode()
+        status, _, body = server.request("POST", case["path"], data)
+        assert status == case["status"], (case, body[:300])
+        error = json.loads(body)["error"]
+        assert error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert server.request("GET", "/health")[0] == 200
+    assert server.metrics()["tokendance_kv_blocks_used"] == used_before
 
 
 @pytest.mark.parametrize("path,raw,status,code", [
