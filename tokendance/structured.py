@@ -9,6 +9,7 @@ the matcher. Constrained and free requests share batches: only guided rows are m
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -70,7 +71,10 @@ class StructuredOutput:
             return json.dumps(list(self.choice))
         return self.regex if self.regex is not None else self.grammar
 
+    @functools.cached_property
     def llguidance_grammar(self) -> str:
+        """The constraint as llguidance grammar text, converted once per constraint (a request's
+        matcher is made when it is validated and again when it first samples)."""
         import llguidance
 
         matcher = llguidance.LLMatcher
@@ -102,7 +106,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutput):
         """A fresh matcher at the start of the grammar. Raises InvalidRequestError if it does not compile."""
-        key = spec.llguidance_grammar()
+        key = spec.llguidance_grammar
         with self._lock:
             template = self._compiled.get(key)
             if template is not None:
