@@ -15,6 +15,7 @@ from tokendance import (
     InvalidRequestError,
     SamplingParams,
 )
+from tokendance.engine.rounds import RoundAborted
 from tokendance.kv.manager import RecallKey, SessionKey
 from tokendance.reuse.fidelity import compare
 
@@ -269,3 +270,37 @@ def test_ending_an_agent_during_its_round_drops_its_session_after_the_round(make
     assert all(o.finish_reason in ("stop", "length") for o in result.outputs)  # its turn still finished
     assert sorted(llm.rounds.sessions()) == ["ada", "cy", "di"]
     assert not llm.end_agent("bo")
+
+
+def test_other_requests_advance_while_a_round_prepares_its_kv(make_llm):
+    # groups of 64 tokens: one agent per forward group, with or without requests in between
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
+    solo = llm.engine.make_request("The river is", SamplingParams(temperature=0, max_tokens=3))
+    llm.engine.add(solo)
+    seen, polls = [], []
+    result = llm.rounds.run(round_turns(1), PARAMS, lambda o: seen.append((o.agent_id, o.finished)),
+                            poll=lambda: polls.append(len(seen)))
+    first_agent = next(i for i, (agent, _) in enumerate(seen) if agent is not None)
+    assert seen[:first_agent] == [(None, False), (None, False), (None, True)]  # done before any agent's first token
+    assert polls[:3] == [0, 1, 2]  # a step of the lone request between each two forward groups
+    alone = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
+    reference = alone.run_round(round_turns(1), PARAMS)
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in reference.outputs]
+
+
+def test_agents_aborted_while_their_round_prepares_its_kv(make_llm):
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
+    result = llm.rounds.run(round_turns(1), PARAMS, poll=lambda: llm.rounds.abort("bo"))
+    reasons = {o.agent_id: o.finish_reason for o in result.outputs}
+    assert reasons["bo"] == "abort" and all(reasons[a] in ("stop", "length") for a in ("ada", "cy", "di"))
+    assert sorted(llm.rounds.sessions()) == ["ada", "cy", "di"]
+
+    def leave_all():
+        for agent in AGENTS:
+            llm.rounds.abort(agent)
+
+    with pytest.raises(RoundAborted):  # nobody is left to answer: the round stops in its prefill
+        llm.rounds.run(round_turns(2), PARAMS, poll=leave_all)
+    assert not llm.engine.has_unfinished and not llm.rounds.sessions()
+    assert llm.engine.stats().num_used_blocks == 0
+    assert llm.run_round(round_turns(2), PARAMS).stats.num_agents == len(AGENTS)  # the runner is whole

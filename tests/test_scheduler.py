@@ -71,6 +71,44 @@ def test_the_newest_running_request_is_preempted_and_recomputed():
     assert b.output_token_ids == [7]  # kept: it is recomputed with its prompt
 
 
+def test_admission_is_fair_between_groups_and_a_large_group_leaves_reserved_slots():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=16)
+    assert scheduler.reserved_seqs == 1
+    requests = {}
+    for i in range(20):  # a round of 20 agents arrives first
+        requests[f"agent{i}"] = Request(f"agent{i}", [100 + i, 1], GREEDY, 4, group="round")
+        scheduler.add(requests[f"agent{i}"])
+    ran = step(scheduler, requests)
+    assert len(ran) == 15  # it queues anyway: the last slot stays free for anyone else
+    chat = requests["chat"] = request("chat", 3)
+    scheduler.add(chat)
+    assert ("chat", 3, True) in step(scheduler, requests)  # admitted at once, not after the round
+    assert len(scheduler.running) == 16
+
+
+def test_admission_takes_turns_between_groups_by_running_requests():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    assert scheduler.reserved_seqs == 0
+    requests = {f"r{i}": Request(f"r{i}", [100 + i, 1], GREEDY, 4, group="round") for i in range(6)}
+    requests |= {f"j{i}": Request(f"j{i}", [200 + i, 1], GREEDY, 4, group="job") for i in range(2)}
+    requests["solo"] = request("solo", 2)
+    for r in requests.values():  # the round's agents arrive before the job's prompts and a lone request
+        scheduler.add(r)
+    admitted = [name for name, _, _ in step(scheduler, requests)]
+    assert admitted == ["r0", "j0", "solo", "r1", "j1", "r2", "r3", "r4"]
+
+
+def test_a_group_that_fits_takes_every_slot():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=16)
+    agents = {f"a{i}": Request(f"a{i}", [100 + i, 1], GREEDY, 4, group="round") for i in range(16)}
+    for r in agents.values():
+        scheduler.add(r)
+    assert len(step(scheduler, agents)) == 16  # nothing of it would queue: no slot is held back
+
+
 def test_a_prepared_table_enters_through_the_query_and_the_commit():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)

@@ -127,9 +127,12 @@ class LLMEngine:
         namespace: str = "",
         agent_id: str | None = None,
         retain_kv: bool = False,
+        group: str | None = None,
     ) -> Request:
         """Validate and tokenize; no side effect, so a batch can be checked before any is added.
-        `retain_kv`: the request's table outlives it (a round keeps it as the agent's session)."""
+        `retain_kv`: the request's table outlives it (a round keeps it as the agent's session).
+        `group`: the job the request belongs to (a round, a request's several prompts); the
+        scheduler shares its slots fairly between groups, not between requests."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.structured is not None:
@@ -173,6 +176,7 @@ class LLMEngine:
             prompt=text,
             agent_id=agent_id,
             retain_kv=retain_kv,
+            group=group,
             arrival_time=time.perf_counter(),
         )
 

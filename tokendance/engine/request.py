@@ -28,6 +28,7 @@ class Request:
     prompt: str | None = None
     agent_id: str | None = None  # the agent of a round this request is the turn of
     retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
+    group: str | None = None  # the job it is part of (a round, a multi-prompt request): admission is fair by group
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -42,6 +43,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def group_key(self) -> str:
+        return self.request_id if self.group is None else self.group
 
     @property
     def num_tokens(self) -> int:

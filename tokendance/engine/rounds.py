@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tokendance.engine.llm_engine import LLMEngine
 from tokendance.engine.request import Request
 from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, merge_waves
-from tokendance.errors import CapacityError, InvalidRequestError
+from tokendance.errors import CapacityError, InvalidRequestError, TokenDanceError
 from tokendance.kv.manager import SessionKey
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import make_policy
@@ -37,6 +37,11 @@ from tokendance.sampling import SamplingParams
 
 class RoundTooLarge(CapacityError):
     """The pool cannot hold a round's prepared KV at once (nothing of it ran yet)."""
+
+
+class RoundAborted(TokenDanceError):
+    """Every agent of the round was aborted while its KV was prepared: the round stopped, and
+    nothing of it stays behind."""
 
 
 @dataclass
@@ -56,6 +61,8 @@ class RoundRunner:
         self._running: dict[str, str] = {}
         self._ending: set[str] = set()  # agents of the running round whose session ends with it
         self._aborted: dict[str, RequestOutput] = {}
+        self._agents: set[str] = set()  # every agent of the running round (all its waves)
+        self._abandoned: set[str] = set()  # agents aborted before their request reached the engine
 
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> RoundRunner:
@@ -87,14 +94,19 @@ class RoundRunner:
         return True
 
     def abort(self, agent_id: str) -> RequestOutput | None:
-        """Abort one agent of the running round (e.g. from `on_output`: its client left). Its KV is
-        freed at once (masters it created stay while others hold them), the other agents go on,
-        and the round returns its output with finish_reason "abort" and keeps no session for it."""
+        """Abort one agent of the running round (e.g. from `on_output` or `poll`: its client left).
+        Its KV is freed at once (masters it created stay while others hold them), the other agents
+        go on, and the round returns its output with finish_reason "abort" and keeps no session
+        for it. An agent whose KV is still being prepared is aborted when the prefill ends (None
+        now); if every agent of the round is, the round stops there (`RoundAborted`)."""
         request_id = self._running.get(agent_id)
-        output = None if request_id is None else self.engine.abort_request(request_id)
-        if output is not None:
+        if request_id is not None and request_id in self.engine.requests:
+            output = self.engine.abort_request(request_id)
             self._aborted[request_id] = output
-        return output
+            return output
+        if agent_id in self._agents:
+            self._abandoned.add(agent_id)
+        return None
 
     # ------------------------------------------------------------ a round
 
@@ -103,10 +115,15 @@ class RoundRunner:
         turns: Sequence[AgentTurn],
         params: SamplingParams | Sequence[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
+        poll: Callable[[], None] | None = None,
     ) -> RoundResult:
         """`params` is one SamplingParams for all turns or one per turn. `on_output` sees every
         output the engine produces while the round runs (streaming, and requests outside the
-        round that share the engine, as in the server); outputs of the round carry `agent_id`."""
+        round that share the engine, as in the server); outputs of the round carry `agent_id`.
+
+        Requests outside the round keep running while its KV is prepared: between the prefill's
+        forward groups (cut smaller while they run) they take a step. `poll` is called there
+        first: the caller's chance to add requests and abort agents."""
         tokenized, params = self._validate(turns, params)
         for turn, p in zip(tokenized, params):  # every request is valid before any wave starts
             self.engine.make_request(turn.token_ids, p, namespace=turn.namespace)
@@ -117,7 +134,11 @@ class RoundRunner:
                        key=lambda i: (tokenized[i].namespace, tokenized[i].token_ids, tokenized[i].agent_id))
         tokenized, params = [tokenized[i] for i in order], [params[i] for i in order]
         started = time.perf_counter()
-        waves = self._run_waves(tokenized, params, on_output)
+        self._agents, self._abandoned = {t.agent_id for t in tokenized}, set()
+        try:
+            waves = self._run_waves(tokenized, params, on_output, poll)
+        finally:
+            self._agents, self._abandoned = set(), set()
         if len(waves) == 1:
             result = waves[0]
         else:
@@ -128,24 +149,26 @@ class RoundRunner:
             outputs[index] = result.outputs[position]
         return RoundResult(outputs, result.stats)
 
-    def _run_waves(self, tokenized, params, on_output) -> list[RoundResult]:
+    def _run_waves(self, tokenized, params, on_output, poll) -> list[RoundResult]:
         """The whole round at once or, when the pool cannot hold the round's prepared KV, in two
         halves (recursively). A later wave may evict an earlier wave's sessions (LRU), never its
         outputs."""
         try:
-            return [self._run_wave(tokenized, params, on_output)]
+            return [self._run_wave(tokenized, params, on_output, poll)]
         except RoundTooLarge:
             if len(tokenized) == 1:
                 raise
         half = len(tokenized) // 2
-        return (self._run_waves(tokenized[:half], params[:half], on_output)
-                + self._run_waves(tokenized[half:], params[half:], on_output))
+        return (self._run_waves(tokenized[:half], params[:half], on_output, poll)
+                + self._run_waves(tokenized[half:], params[half:], on_output, poll))
 
-    def _run_wave(self, tokenized: list[TokenizedTurn], params: list[SamplingParams], on_output) -> RoundResult:
+    def _run_wave(self, tokenized: list[TokenizedTurn], params: list[SamplingParams], on_output,
+                  poll) -> RoundResult:
         engine = self.engine
         requests = [
             engine.make_request(t.token_ids, p, request_id=f"round{self.round_index}:{t.agent_id}",
-                                namespace=t.namespace, agent_id=t.agent_id, retain_kv=True)
+                                namespace=t.namespace, agent_id=t.agent_id, retain_kv=True,
+                                group=f"round{self.round_index}")
             for t, p in zip(tokenized, params)
         ]
         stats = RoundStats(self.round_index, self.policy.name, len(tokenized))
@@ -154,12 +177,19 @@ class RoundRunner:
         reads_before = dataclasses.replace(model.decode_reads)
         started = time.perf_counter()
         try:
+            self.policy.round_kv.pause = lambda: self._pause(on_output, poll)
             try:
                 report = self._prefill(requests, tokenized)
             except CapacityError as exc:  # nothing was added to the engine yet: a smaller wave may fit
                 raise RoundTooLarge(str(exc)) from exc
+            finally:
+                self.policy.round_kv.pause = None
             for request in requests:
                 engine.add(request)
+            self._aborted = {}
+            for request in requests:  # aborted while the prefill ran
+                if request.agent_id in self._abandoned:
+                    self.abort(request.agent_id)
             outputs = self._drain({r.request_id for r in requests}, on_output)
         except BaseException:
             for request in requests:  # nothing of a failed round stays behind
@@ -207,14 +237,31 @@ class RoundRunner:
             self.engine.kv.mark_prepared(request.request_id, agent.num_prepared, agent.num_cached)
         return report
 
+    def _pause(self, on_output, poll) -> bool:
+        """Between prefill groups: `poll`, then one step of the requests outside the round (the
+        round's own are not in the engine yet). True while such requests run."""
+        if poll is not None:
+            poll()
+        if self._agents <= self._abandoned:
+            raise RoundAborted("every agent of the round was aborted")
+        if not self.engine.has_unfinished:
+            return False
+        for output in self.engine.step():
+            if on_output is not None:
+                on_output(output)
+        return self.engine.has_unfinished
+
     def _drain(self, request_ids: set[str], on_output) -> dict[str, RequestOutput]:
         """Step the engine until every request of the round finished; other requests sharing the
         engine advance too and their outputs go to `on_output`. A finished agent's table is kept
         (unpinned: evicted under memory pressure before any running request is preempted)."""
         done: dict[str, RequestOutput] = {}
-        self._aborted = {}
         kv = self.engine.kv
-        while len(done) < len(request_ids):
+        while True:
+            for request_id in request_ids & self._aborted.keys():
+                done[request_id] = self._aborted.pop(request_id)
+            if len(done) == len(request_ids):
+                break
             for output in self.engine.step():
                 if on_output is not None:
                     on_output(output)
@@ -222,8 +269,6 @@ class RoundRunner:
                     done[output.request_id] = output
                     if kv.has(output.request_id):
                         kv.keep(output.request_id)
-            for request_id in request_ids & self._aborted.keys():
-                done[request_id] = self._aborted.pop(request_id)
         self._aborted = {}
         return done
 

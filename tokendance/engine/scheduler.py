@@ -1,9 +1,10 @@
 """Continuous batching: a per-step token budget shared by decodes and (chunked) prefills, with
-preemption by recomputation when KV blocks run out."""
+preemption by recomputation when KV blocks run out, and admission that is fair between jobs (a
+round's agents, a request's prompts), not between requests."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from tokendance.batch import ScheduledRequest, SchedulerOutput
 from tokendance.engine.request import Request, RequestStatus
@@ -15,12 +16,19 @@ class Scheduler:
     """The only writer of request state. Running requests keep arrival order: the newest is
     preempted first. KV that exists before a request runs (prefix-cache hits, a table a round
     prefill prepared) enters through `kv.find_computed` (a query) and `kv.allocate_slots` (the
-    commit); the KV manager evicts idle kept tables itself when an allocation needs room."""
+    commit); the KV manager evicts idle kept tables itself when an allocation needs room.
+
+    Admission takes, of the group (`Request.group_key`) running the fewest requests, its earliest
+    waiting request; a group with more requests waiting than free slots (it queues anyway) leaves
+    the last `reserved_seqs` slots to other groups. So a 300-agent round runs its agents
+    `max_num_seqs - reserved_seqs` at a time, and a chat that arrives meanwhile starts at the
+    next step instead of after the round."""
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.reserved_seqs = max_num_seqs // 16
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,15 +72,19 @@ class Scheduler:
         raise CapacityError("the KV pool cannot make progress: nothing runs and nothing fits")
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        running = Counter(r.group_key for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting(running)
+            if request is None:
+                return
             computed = self.kv.find_computed(request.request_id, request.token_ids, request.namespace)
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
                                             computed.hit)
             if copies is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            running[request.group_key] += 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_tokens
             if request.num_cached_tokens is None:
@@ -80,6 +92,22 @@ class Scheduler:
             self.running.append(request)
             self._emit(out, request, num_new, copies)
             budget -= num_new
+
+    def _next_waiting(self, running: Counter) -> Request | None:
+        """The earliest waiting request of the group running the fewest, skipping groups that
+        would take a reserved slot and still queue; None if only such groups wait."""
+        free = self.max_num_seqs - len(self.running)
+        waiting = Counter(r.group_key for r in self.waiting) if free <= self.reserved_seqs else None
+        best = None
+        for request in self.waiting:
+            group = request.group_key
+            if waiting is not None and waiting[group] > free:
+                continue
+            if best is None or running[group] < running[best.group_key]:
+                best = request
+                if running[group] == 0:
+                    break
+        return best
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[BlockCopy] | None:
         """Allocate the request's next tokens, preempting the newest running requests until it

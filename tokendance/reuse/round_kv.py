@@ -98,6 +98,11 @@ class RoundKV:
         self.check_layer = check_layer
         self.max_batch_tokens = max_batch_tokens
         self.num_layers = len(runner.model.layers)
+        # Called between the forward groups of a prefill (set by the round runner while requests
+        # outside the round share the engine): runs their next step; True while they still run,
+        # and then groups are cut to `interleave_tokens` so their tokens keep coming.
+        self.pause: Callable[[], bool] | None = None
+        self.interleave_tokens = max(1, max_batch_tokens // 8)
         # span key -> (table id, first token, length) of its master: the span as the first agent
         # holding it computed it, in that agent's own context (see KVCollector)
         self.masters: dict[bytes, tuple[str, int, int]] = {}
@@ -135,17 +140,23 @@ class RoundKV:
     # ------------------------------------------------------------ forward passes
 
     def run(self, items: list[ScheduledRequest], num_layers: int | None = None) -> None:
-        """Forward `items` in groups of about `max_batch_tokens` new tokens."""
+        """Forward `items` in groups of about `max_batch_tokens` new tokens (`interleave_tokens`
+        while other requests run, with their steps in between)."""
         group: list[ScheduledRequest] = []
-        tokens = 0
+        tokens, limit = 0, self._pause()
         for item in items:
-            if group and tokens + len(item.token_ids) > self.max_batch_tokens:
+            if group and tokens + len(item.token_ids) > limit:
                 self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
-                group, tokens = [], 0
+                group, tokens, limit = [], 0, self._pause()
             group.append(item)
             tokens += len(item.token_ids)
         if group:
             self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
+
+    def _pause(self) -> int:
+        """Let other requests take a step; the token limit of the next group."""
+        busy = self.pause is not None and self.pause()
+        return self.interleave_tokens if busy else self.max_batch_tokens
 
     def master_slots(self, key: bytes) -> list[int]:
         table_id, start, length = self.masters[key]

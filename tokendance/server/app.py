@@ -32,7 +32,7 @@ from tokendance.server.engine_loop import (
     TurnJob,
     engine_agent_id,
 )
-from tokendance.server.gate import Gate
+from tokendance.server.gate import Admission, Gate
 from tokendance.server.gather import ChatTurn, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import (
@@ -71,7 +71,8 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         loop.stop()
 
     app = FastAPI(title="TokenDance", lifespan=lifespan, docs_url=None, redoc_url=None)
-    api = Api(llm, config, loop, metrics)
+    admission = Admission(config.max_concurrent_requests, metrics)
+    api = Api(llm, config, loop, metrics, admission)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     app.get("/v1/models")(api.models)
@@ -84,14 +85,15 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(Gate, config=config, metrics=metrics)
+    app.add_middleware(Gate, config=config, metrics=metrics, admission=admission)
     app.state.engine_loop = loop
     return app
 
 
 class Api:
-    def __init__(self, llm, config: ServerConfig, loop: EngineLoop, metrics: Metrics):
+    def __init__(self, llm, config: ServerConfig, loop: EngineLoop, metrics: Metrics, admission: Admission):
         self.llm = llm
+        self.admission = admission
         self.engine = llm.engine
         self.config = config
         self.loop = loop
@@ -130,6 +132,7 @@ class Api:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         started = time.perf_counter()
         self._check(body)
+        self.admission.claim(request.scope, body.n)
         if body.round_size is not None and body.round_id is None:
             raise ApiError(400, "round_size needs a round_id", param="round_size")
         if body.n > 1 and (body.agent_id or body.round_id):
@@ -156,7 +159,7 @@ class Api:
             self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
         else:
             requests = await self._validate(
-                lambda: [self._chat_request(messages, choice_params(params, i), f"{key}-{i}", namespace)
+                lambda: [self._chat_request(messages, choice_params(params, i), f"{key}-{i}", namespace, group=key)
                          for i in range(body.n)], "messages")
             self.loop.submit(GenerateJob(requests, sink, share_prompt=True))
         if body.stream:
@@ -173,8 +176,9 @@ class Api:
         params = body.sampling_params(16, structured=structured, logprobs=body.logprobs)
         key, namespace = f"cmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         prompts, n = body.prompts(), body.n
+        self.admission.claim(request.scope, len(prompts) * n)
         requests = await self._validate(
-            lambda: [self.engine.make_request(p, choice_params(params, c), f"{key}-{i * n + c}", namespace)
+            lambda: [self.engine.make_request(p, choice_params(params, c), f"{key}-{i * n + c}", namespace, group=key)
                      for i, p in enumerate(prompts) for c in range(n)],
             "prompt",
         )
@@ -192,6 +196,7 @@ class Api:
         agent_ids = [a.agent_id for a in body.agents]
         if len(set(agent_ids)) != len(agent_ids):
             raise ApiError(400, "agent ids of a round must be distinct", param="agents")
+        self.admission.claim(request.scope, len(agent_ids))
         key, namespace = f"round-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         sink = Sink(key, len(agent_ids), wants_stats=True)
         turns = []
@@ -239,7 +244,7 @@ class Api:
         self._check_model(body.model)
         body.check_supported()
 
-    def _chat_request(self, messages, params, request_id: str, namespace: str):
+    def _chat_request(self, messages, params, request_id: str, namespace: str, group: str | None = None):
         """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
         joins a round or not, and a shared message the same ids wherever it sits."""
         self.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
@@ -247,7 +252,7 @@ class Api:
         if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
             room = min(self.engine.max_model_len, self.engine.num_kv_tokens) - len(token_ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))
-        return self.engine.make_request(token_ids, params, request_id=request_id, namespace=namespace)
+        return self.engine.make_request(token_ids, params, request_id=request_id, namespace=namespace, group=group)
 
     async def _validate(self, make, param: str):
         try:
@@ -364,7 +369,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _api_error(_request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _validation_error(_request, exc: RequestValidationError) -> JSONResponse:

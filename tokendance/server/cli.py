@@ -43,7 +43,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", action="append", default=None,
         help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several tenants, whose prefix "
              "caches, sessions and shared KV are kept apart (default: $TOKENDANCE_API_KEY, comma-separated; else none)")
-    add("--max-concurrent-requests", type=int, default=256, help="more in flight are answered 429")
+    add("--max-concurrent-requests", type=int, default=1024,
+        help="engine requests in flight (each prompt x choice, each agent of a /v1/rounds counts one); "
+             "a request that would pass this is answered 429; one larger than it runs only alone")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -17,7 +17,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     gather_window_s: float = 0.05
     round_timeout_s: float = 2.0
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: int = 1024
     max_body_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:

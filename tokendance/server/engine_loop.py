@@ -3,9 +3,10 @@
 HTTP handlers never touch the engine's state: they validate a request (`make_request` is free of
 side effects), put a job on the inbox and await a `Sink`, which the engine thread fills through
 the event loop's `call_soon_threadsafe`. While a round runs (`RoundRunner.run` steps the engine
-itself), the thread keeps serving the inbox from the round's output hook, so ordinary requests
-are added and aborted as usual, and an agent of the round whose client left is aborted alone;
-only the next round waits for this one to end.
+itself), the thread keeps serving the inbox and starting ordinary requests from the round's hooks
+(between its prefill's forward groups, and after each step), so ordinary requests are added,
+advanced and aborted as usual; an agent of the round whose client left is aborted alone, and a
+round whose clients all left stops. Only the next round waits for this one to end.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokendance.engine.rounds import RoundAborted
 from tokendance.errors import InvalidRequestError, TokenDanceError
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import AgentTurn
@@ -97,6 +99,7 @@ class EngineLoop:
         self._routes: dict[str, Route] = {}  # engine request id -> route (ordinary requests)
         self._agents: dict[str, Route] = {}  # engine agent id -> route, while its round runs
         self._followers: dict[str, list[tuple[Any, Route]]] = {}  # leader request id -> choices held back
+        self._rounds: list[list[ChatTurn]] = []  # rounds ready to run (formed while another ran)
         self._anonymous = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokendance-engine", daemon=True)
@@ -138,11 +141,9 @@ class EngineLoop:
         try:
             while not self._stopping:
                 self._drain_inbox(block=not self.engine.has_unfinished)
-                work = self.gatherer.pop_ready(time.monotonic())
-                for turn in work.ordinary:
-                    self._add(turn.request, Route(turn.sink, turn.index))
-                for turns in work.rounds:
-                    self._run_round(turns)
+                self._start_ready()
+                while self._rounds:
+                    self._run_round(self._rounds.pop(0))
                 if self.engine.has_unfinished:
                     self._step()
                 self._publish()
@@ -152,6 +153,13 @@ class EngineLoop:
             for route in self._routes.values():
                 route.sink.fail(ApiError(500, f"engine failure: {exc}", type="server_error"))
             raise
+
+    def _start_ready(self) -> None:
+        """Gathered turns whose wait is over: ordinary ones start now, rounds queue to run."""
+        work = self.gatherer.pop_ready(time.monotonic())
+        for turn in work.ordinary:
+            self._add(turn.request, Route(turn.sink, turn.index))
+        self._rounds.extend(work.rounds)
 
     def _drain_inbox(self, block: bool) -> None:
         timeout = None
@@ -285,7 +293,11 @@ class EngineLoop:
             self._agents[agent_id] = Route(turn.sink, turn.index, info)
         agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]
         try:
-            result = self.llm.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output)
+            result = self.llm.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output,
+                                         poll=self._poll)
+        except RoundAborted:
+            self.metrics.inc("tokendance_rounds_aborted_total")
+            return
         except Exception as exc:
             self._round_failed(turns, agent_ids, exc)
             return
@@ -300,7 +312,12 @@ class EngineLoop:
 
     def _on_round_output(self, output: RequestOutput) -> None:
         self._deliver(output)
+        self._poll()
+
+    def _poll(self) -> None:
+        """While a round runs: new jobs and aborts are taken, ordinary requests start."""
         self._drain_inbox(block=False)
+        self._start_ready()
         self._publish()
 
     def _round_failed(self, turns: list[ChatTurn], agent_ids: list[str], exc: Exception) -> None:

@@ -1,9 +1,11 @@
 """The ASGI middleware every HTTP request passes first: body size, API key, admission, counts.
 
-Admission is a bound, not a queue: up to `max_concurrent_requests` generation requests are in
-flight at once (they queue inside the engine's scheduler, which runs `max_num_seqs` of them per
-step); one more is answered 429 at once with `Retry-After`, so an overloaded server sheds load
-instead of building an unbounded backlog of open connections.
+Admission is a bound, not a queue, and it counts engine work, not HTTP requests: up to
+`max_concurrent_requests` engine requests are in flight at once (each prompt x choice of a
+request, each agent of a `/v1/rounds` counts one; they queue inside the engine's scheduler, which
+runs `max_num_seqs` of them per step). A request that would pass the bound is answered 429 at
+once with `Retry-After`, so an overloaded server sheds load instead of building an unbounded
+backlog of open connections; one larger than the bound itself is admitted only alone.
 """
 
 from __future__ import annotations
@@ -23,15 +25,43 @@ KNOWN_PATHS = GENERATION_PATHS + ("/v1/models", "/health", "/metrics")
 MAX_DRAIN_FACTOR = 8  # an oversized body is read (and dropped) up to this many times the limit
 
 
-class Gate:
-    """Invariant: `in_flight` counts the generation requests between admission and the end of
-    their response (finished, streamed to the end, failed or abandoned by the client)."""
+class Admission:
+    """Invariant: `in_flight` is the sum of the units (engine requests) that generation requests
+    hold between admission and the end of their response (finished, streamed to the end, failed
+    or abandoned by the client). A request's units are in its ASGI scope's state."""
 
-    def __init__(self, app, config: ServerConfig, metrics: Metrics):
+    def __init__(self, limit: int, metrics: Metrics):
+        self.limit = limit
+        self.metrics = metrics
+        self.in_flight = 0
+
+    def claim(self, scope, units: int) -> None:
+        """Hold `units` for the request (replacing what it held: the gate claims 1 before the body
+        is parsed, the handler the request's real size after); ApiError 429 if they do not fit."""
+        state = scope.setdefault("state", {})
+        held = state.get("admitted_units", 0)
+        others = self.in_flight - held
+        if others + units > self.limit and (others > 0 or units <= self.limit):
+            raise ApiError(429, f"too many concurrent requests (at most {self.limit} prompts, choices and round agents "
+                           f"in flight; this request holds {units}); retry later",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        state["admitted_units"] = units
+        self._set(others + units)
+
+    def release(self, scope) -> None:
+        self._set(self.in_flight - scope.get("state", {}).pop("admitted_units", 0))
+
+    def _set(self, in_flight: int) -> None:
+        self.in_flight = in_flight
+        self.metrics.set("tokendance_requests_in_flight", in_flight)
+
+
+class Gate:
+    def __init__(self, app, config: ServerConfig, metrics: Metrics, admission: Admission):
         self.app = app
         self.config = config
         self.metrics = metrics
-        self.in_flight = 0
+        self.admission = admission
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -70,20 +100,15 @@ class Gate:
         if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, replay, send)
             return
-        if self.in_flight >= self.config.max_concurrent_requests:
-            error = ApiError(429, f"too many concurrent requests (at most {self.config.max_concurrent_requests}); "
-                             "retry later", type="rate_limit_error", code="rate_limit_exceeded")
-            await _answer(scope, send, error, headers={"Retry-After": "1"})
+        try:
+            self.admission.claim(scope, 1)
+        except ApiError as error:
+            await _answer(scope, send, error)
             return
-        self._count(+1)
         try:
             await self.app(scope, replay, send)
         finally:
-            self._count(-1)
-
-    def _count(self, delta: int) -> None:
-        self.in_flight += delta
-        self.metrics.set("tokendance_requests_in_flight", self.in_flight)
+            self.admission.release(scope)
 
     async def _read_body(self, receive) -> bytes | ApiError | None:
         """The whole body, or a 413 error (after reading and dropping the rest, so the client
@@ -135,11 +160,11 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _answer(scope, send, error: ApiError, headers: dict | None = None) -> None:
+async def _answer(scope, send, error: ApiError) -> None:
     async def no_receive():
         return {"type": "http.disconnect"}
 
-    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, no_receive, send)
+    await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, no_receive, send)
 
 
 def _needs_key(path: str) -> bool:

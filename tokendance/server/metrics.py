@@ -15,7 +15,7 @@ AGENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # name -> (type, help, buckets for histograms)
 DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_http_requests_total": ("counter", "HTTP requests answered, by endpoint and status", None),
-    "tokendance_requests_in_flight": ("gauge", "generation requests admitted and not yet answered", None),
+    "tokendance_requests_in_flight": ("gauge", "engine requests (prompts x choices, round agents) admitted and not yet answered", None),
     "tokendance_requests_finished_total": ("counter", "engine requests finished, by finish reason", None),
     "tokendance_prompt_tokens_total": ("counter", "prompt tokens of finished requests", None),
     "tokendance_cached_prompt_tokens_total": ("counter", "prompt tokens served from cache or shared KV", None),
@@ -31,6 +31,7 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_agent_sessions": ("gauge", "agent sessions holding KV between rounds", None),
     "tokendance_session_evictions_total": ("counter", "agent sessions evicted under memory pressure", None),
     "tokendance_rounds_total": ("counter", "rounds run, by how they formed", None),
+    "tokendance_rounds_aborted_total": ("counter", "rounds stopped because every client of them left", None),
     "tokendance_rounds_failed_total": ("counter", "rounds that failed (their requests got an error or ran alone)", None),
     "tokendance_round_agents": ("histogram", "agents per round", AGENT_BUCKETS),
     "tokendance_last_round_agents": ("gauge", "agents in the last round", None),
