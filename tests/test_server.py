@@ -21,8 +21,10 @@ import openai
 import pytest
 
 from tokendance.model.platform import probe_cpu
+from tokendance.server.gate import Admission
 from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
-from tokendance.server.metrics import parse
+from tokendance.server.metrics import Metrics, parse
+from tokendance.server.protocol import ApiError
 
 SHARED = [
     "Ada says: the bridge over the river is closed for repairs until the end of next week.",
@@ -569,6 +571,25 @@ def test_too_many_concurrent_requests_get_429(guarded):
     reply = guarded.client("sesame").chat.completions.create(
         model=guarded.model, messages=[{"role": "user", "content": "hi"}], stop=[" ", "\n"])
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_admission_counts_engine_requests_not_http_requests():
+    admission, a, b, c = Admission(4, Metrics()), {}, {}, {}
+    admission.claim(a, 1)  # the gate, before the body is parsed
+    admission.claim(a, 3)  # the handler: three prompts
+    with pytest.raises(ApiError) as refused:
+        admission.claim(b, 2)
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+    admission.claim(b, 1)
+    assert admission.in_flight == 4
+    admission.release(a)
+    admission.release(b)
+    assert admission.in_flight == 0
+    admission.claim(c, 9)  # larger than the bound: admitted alone, and nothing else meanwhile
+    with pytest.raises(ApiError):
+        admission.claim(a, 1)
+    admission.release(c)
+    assert admission.in_flight == 0
 
 
 def test_round_larger_than_the_kv_pool_still_answers_every_agent(guarded):
