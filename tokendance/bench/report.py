@@ -10,7 +10,7 @@ MB = 2**20
 
 def format_rounds(rows: list[dict]) -> str:
     head = (f"{'N':>4} {'rd':>2} {'mode':<11}{'round s':>8}{'TTFT s':>8}{'decode s':>9}{'rd MB/step':>11}"
-            f"{'computed':>9}{'in prompts':>11}{'KV MB/agent':>12}{'compr':>6}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}{'trace':>6}")
+            f"{'computed':>9}{'in prompts':>11}{'KV MB/agent':>12}{'compr':>6}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}{'trace':>6}{'div tie/conf':>13}")
     lines = [head]
     for r in rows:
         f, t = r.get("fidelity") or {}, r.get("trace") or {}
@@ -19,19 +19,26 @@ def format_rounds(rows: list[dict]) -> str:
             f"{r['decode_seconds']:>9.2f}{r.get('decode_kv_mb_per_step', 0):>11.1f}"
             f"{r['computed_tokens']:>9.0f}{r['prompt_tokens']:>11}{r['kv_bytes_per_agent'] / MB:>12.2f}{r['compression']:>6.2f}{r['shared_compression']:>9.2f}"
             f"{_num(f.get('top1_agreement'), 6, 2)}{_num(f.get('mean_kl'), 7, 3)}{_num(f.get('identical_fraction'), 6, 2)}"
-            f"{_num(t.get('identical_outputs'), 6, 2)}")
+            f"{_num(t.get('identical_outputs'), 6, 2)}{_divergences(f):>13}")
     return "\n".join(lines)
+
+
+def _divergences(fidelity: dict) -> str:
+    """Outputs that part from the reference at a near tie / confidently (reference margin > 2 nats)."""
+    if fidelity.get("confident_divergences") is None:
+        return "-"
+    return f"{fidelity['near_tie_divergences']}/{fidelity['confident_divergences']}"
 
 
 def format_sweep(rows: list[dict]) -> str:
     lines = [f"{'selection':<17}{'ratio':>6}{'rd':>3}{'TTFT s':>8}{'vs full':>8}{'shared x':>9}{'diff blk':>9}"
-             f"{'top1':>6}{'KL':>7}{'same':>6}"]
+             f"{'top1':>6}{'KL':>7}{'same':>6}{'div tie/conf':>13}"]
     for r in rows:
         f = r["fidelity"]
         lines.append(
             f"{r['selection']:<17}{r['ratio']:>6.2f}{r['round']:>3}{r['prefill_seconds']:>8.2f}"
             f"{r['full_prefill_seconds'] / r['prefill_seconds']:>7.2f}x{r['shared_compression']:>9.2f}{r['diff_blocks']:>9}"
-            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}")
+            f"{f['top1_agreement']:>6.2f}{f['mean_kl']:>7.3f}{f['identical_fraction']:>6.2f}{_divergences(f):>13}")
     return "\n".join(lines)
 
 

@@ -31,11 +31,11 @@ class ModeTrace:
 
 def round_params(workload: Workload, round_index: int, closed_loop: bool, max_tokens: int | None = None) -> list[SamplingParams]:
     """Greedy; open loop decodes exactly the workload's output length (ignore_eos), closed loop
-    stops at EOS or that length; `max_tokens` caps both. Logits of the first token are kept for
-    fidelity."""
+    stops at EOS or that length; `max_tokens` caps both. Logits of the first token and each
+    token's top-2 logprobs are kept for fidelity."""
     return [
         SamplingParams(temperature=0, max_tokens=min(workload.output_tokens(a, round_index), max_tokens or 1 << 30),
-                       ignore_eos=not closed_loop, return_logits=1)
+                       ignore_eos=not closed_loop, return_logits=1, logprobs=2)
         for a in workload.agents
     ]
 

@@ -11,6 +11,9 @@ from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import common_prefix
 
 
+NEAR_TIE_NATS = 2.0  # a divergence where the reference's top two choices are closer is a near tie
+
+
 @dataclass
 class Fidelity:
     num_agents: int
@@ -18,14 +21,34 @@ class Fidelity:
     mean_common_prefix: float  # mean length of the common prefix of the outputs, in tokens
     top1_agreement: float | None  # same greedy choice at the end of the prompt (needs logits)
     mean_kl: float | None  # KL(reference || other) of the next-token distribution there
+    # Outputs that differ, by the reference's margin between its top two log-probabilities at the
+    # first token where they part (needs the reference's logprobs with 2 alternatives): a
+    # divergence at a near tie and a confident one are different failures.
+    near_tie_divergences: int | None = None
+    confident_divergences: int | None = None
+
+
+def divergence_margin(reference: RequestOutput, other: RequestOutput) -> float | None:
+    """The reference's top-1 minus top-2 log-probability at the first token where `other` differs
+    (None if identical, or if the reference has no such logprobs there)."""
+    at = common_prefix(reference.token_ids, other.token_ids)
+    if reference.token_ids == other.token_ids or at >= len(reference.logprobs):
+        return None
+    top = reference.logprobs[at].top
+    return None if len(top) < 2 else top[0][1] - top[1][1]
 
 
 def compare(reference: Sequence[RequestOutput], other: Sequence[RequestOutput]) -> Fidelity:
-    """Outputs in the same agent order; logits present when sampled with return_logits >= 1."""
+    """Outputs in the same agent order; logits present when sampled with return_logits >= 1,
+    divergence margins when the reference was sampled with logprobs >= 2."""
     if len(reference) != len(other):
         raise ValueError(f"{len(reference)} reference outputs vs {len(other)}")
     prefixes = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(reference, other)]
     identical = [a.token_ids == b.token_ids for a, b in zip(reference, other)]
+    near = confident = None
+    if all(o.logprobs for o in reference):
+        margins = [m for m in (divergence_margin(a, b) for a, b in zip(reference, other)) if m is not None]
+        near, confident = sum(m <= NEAR_TIE_NATS for m in margins), sum(m > NEAR_TIE_NATS for m in margins)
     top1 = kl = None
     if all(o.logits for o in reference) and all(o.logits for o in other):
         ref = torch.stack([o.logits[0] for o in reference]).float()
@@ -34,4 +57,4 @@ def compare(reference: Sequence[RequestOutput], other: Sequence[RequestOutput]) 
         ref_log, got_log = ref.log_softmax(-1), got.log_softmax(-1)
         kl = (ref_log.exp() * (ref_log - got_log)).sum(-1).mean().item()
     n = max(1, len(reference))
-    return Fidelity(len(reference), sum(identical) / n, sum(prefixes) / n, top1, kl)
+    return Fidelity(len(reference), sum(identical) / n, sum(prefixes) / n, top1, kl, near, confident)
