@@ -49,6 +49,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default="EMPTY", help="API key for --target")
     parser.add_argument("--declare-rounds", action="store_true",
                         help="with --target: send TokenDance's agent_id/round_id/round_size fields")
+    parser.add_argument("--cache-salt", default=None,
+                        help="with --target: send this cache_salt (one per simulation keeps simulations apart)")
     parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
 

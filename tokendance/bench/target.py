@@ -28,6 +28,7 @@ class Reply:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    replica: str | None = None  # which engine replica answered (`tokendance serve --replicas`)
 
 
 class Client:
@@ -59,6 +60,7 @@ class Client:
                 "stream": True, "stream_options": {"include_usage": True}, **extra}
         reply = Reply("", time.perf_counter(), None, 0.0)
         with self._request("/chat/completions", body) as response:
+            reply.replica = response.headers.get("x-tokendance-replica")
             for line in response:
                 if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                     continue
@@ -112,6 +114,8 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
 
     def send(turn) -> Reply:
         extra = {"agent_id": turn.agent_id, "round_id": round_id, "round_size": len(turns)} if args.declare_rounds else {}
+        if args.cache_salt:
+            extra["cache_salt"] = args.cache_salt
         max_tokens = min(workload.output_tokens(turn.agent_id, round_index), args.max_tokens or 1 << 30)
         return client.chat(list(turn.messages), max_tokens, extra)
 
@@ -126,13 +130,15 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         "prompt_tokens": sum(x.prompt_tokens for x in replies),
         "cached_tokens": sum(x.cached_tokens for x in replies),
         "completion_tokens": sum(x.completion_tokens for x in replies),
+        "replicas": sorted({x.replica for x in replies if x.replica}),
     }
 
 
 def format_target(rows: list[dict], client: Client) -> str:
     lines = [f"{client.base_url} ({client.model})",
-             f"{'N':>4} {'rd':>2}{'round s':>9}{'TTFT s':>8}{'prompt tok':>11}{'cached':>8}{'out tok':>8}"]
+             f"{'N':>4} {'rd':>2}{'round s':>9}{'TTFT s':>8}{'prompt tok':>11}{'cached':>8}{'out tok':>8}  replicas"]
     for r in rows:
         lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['prefill_seconds']:>8.2f}"
-                     f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}")
+                     f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}  "
+                     f"{','.join(name[-6:] for name in r.get('replicas', [])) or '-'}")
     return "\n".join(lines)

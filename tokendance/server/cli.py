@@ -48,18 +48,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "a request that would pass this is answered 429; one larger than it runs only alone")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add("--replicas", type=int, default=1,
+        help="engine replicas behind one endpoint, deployed with Ray Serve (needs 'tokendance[ray]'); "
+             "rounds and agents are routed to the replica that holds their KV")
+    add("--ray-address", default=None,
+        help="with --replicas: join this Ray cluster (e.g. auto, or ray://HOST:10001) instead of starting one")
 
 
 def run_server(args: argparse.Namespace) -> int:
     import socket
     import sys
 
-    import uvicorn
-
-    from tokendance import LLM
-    from tokendance.server.app import create_app
-    from tokendance.server.config import ServerConfig
-
+    if args.replicas < 1:
+        print("error: --replicas must be >= 1", file=sys.stderr)
+        return 2
     # Bind first: a busy port fails in a second with one line, not after loading the model.
     try:
         sock = socket.create_server((args.host, args.port), backlog=2048)
@@ -69,17 +71,41 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
-    llm = LLM(args.model, dtype=args.dtype, reuse=args.reuse, kv_cache_bytes=args.kv_cache_bytes,
-              max_num_seqs=args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None})
-    llm.warm_up()  # compile the kernels now, not on the first clients' round
-    config = ServerConfig(
-        model_name=args.served_model_name or llm.engine.model_name,
+    llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
+                "max_num_seqs": args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None}}
+    if args.replicas > 1 or args.ray_address:
+        sock.close()  # Ray Serve's proxy listens there
+        try:
+            from tokendance.server.replicas import run_replicas
+        except ImportError as exc:
+            print(f"error: --replicas needs Ray Serve: pip install 'tokendance[ray]' ({exc})", file=sys.stderr)
+            return 1
+        return run_replicas(args, llm_args, server_config(args, args.served_model_name))
+    return _serve_one(args, sock, llm_args)
+
+
+def server_config(args: argparse.Namespace, model_name: str | None):
+    from tokendance.server.config import ServerConfig
+
+    return ServerConfig(
+        model_name=model_name,
         api_keys=tuple(args.api_key or [k for k in os.environ.get("TOKENDANCE_API_KEY", "").split(",") if k]),
         gather_window_s=args.gather_window_ms / 1000,
         round_timeout_s=args.round_timeout_ms / 1000,
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
     )
+
+
+def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
+    import uvicorn
+
+    from tokendance import LLM
+    from tokendance.server.app import create_app
+
+    llm = LLM(**llm_args)
+    llm.warm_up()  # compile the kernels now, not on the first clients' round
+    config = server_config(args, args.served_model_name or llm.engine.model_name)
     app = create_app(llm, config)
     engine = llm.engine
     print(f"serving {config.model_name} (reuse={args.reuse}, dtype {engine.dtype}, CPU {engine.cpu.describe()}, "

@@ -129,14 +129,17 @@ class Gate:
         return b"".join(chunks)
 
     def _tenant(self, scope) -> str | None:
-        """The tenant of the request's key (a digest of the key, never the key), or None if the
-        key is missing or unknown. Every key is compared, in constant time."""
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        tenant = None
-        for key in self.config.api_keys:
-            if hmac.compare_digest(given, f"Bearer {key}".encode()):
-                tenant = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return tenant
+        return tenant_of(dict(scope["headers"]).get(b"authorization", b""), self.config.api_keys)
+
+
+def tenant_of(authorization: bytes, api_keys: tuple[str, ...]) -> str | None:
+    """The tenant of an Authorization header's key (a digest of the key, never the key), or None
+    if the key is missing or unknown. Every key is compared, in constant time."""
+    tenant = None
+    for key in api_keys:
+        if hmac.compare_digest(authorization, f"Bearer {key}".encode()):
+            tenant = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return tenant
 
 
 def _endpoint(path: str) -> str:

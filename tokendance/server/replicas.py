@@ -1,0 +1,299 @@
+"""`tokendance serve --replicas K`: one OpenAI-compatible endpoint in front of K engine replicas,
+deployed with Ray Serve (`pip install 'tokendance[ray]'`).
+
+    HTTP -> Ray Serve proxy -> Ingress (auth, body limit, routing key)
+                                  -> KVAffinityRouter (a Ray Serve request router; routing.py)
+                                  -> EngineReplica x K (each: an LLM and the single-process app)
+
+Every replica runs the same FastAPI app `tokendance serve` runs alone, driven in-process over
+ASGI, so endpoints, errors, streaming, admission and metrics are the same; the ingress forwards
+the request and streams the replica's ASGI messages back. A replica that dies is restarted by Ray;
+a request whose replica died before answering is retried once on another one, then answered 503.
+`/metrics` merges every replica's metrics with a `replica` label; `/v1/replicas` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import threading
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from tokendance.server.gate import OPEN_PATHS, tenant_of
+from tokendance.server.protocol import ApiError
+from tokendance.server.routing import Placement, Route, route_for
+
+log = logging.getLogger("tokendance.server")
+REPLICA_HEADER = "x-tokendance-replica"  # which replica answered (every response carries it)
+REPLICA_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+PLACEMENT = Placement()  # one per process: every handle's router (Ray makes one per handle) shares it
+
+
+class KVAffinityRouter(RequestRouter):
+    """Ray Serve request router that sends each request where its KV lives (`routing.Placement`).
+    Requests carry their `Route` as the `route` keyword argument."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.placement = PLACEMENT
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or Route("any")
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        cache = self.replica_queue_len_cache
+
+        def load(name: str) -> int:
+            return cache.get(by_name[name].replica_id) or 0
+
+        ranked = [by_name[name] for name in self.placement.choose(route, sorted(by_name), load)]
+        # the chosen replica first; the others only if it cannot take the request (full or gone)
+        return [rank for rank in (ranked[:1], ranked[1:]) if rank]
+
+
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=KVAffinityRouter),
+                  max_ongoing_requests=4096, health_check_period_s=2, health_check_timeout_s=30)
+class EngineReplica:
+    """One engine and the single-process app over it; `http` serves one request through it."""
+
+    def __init__(self, llm_args: dict, server_config):
+        from tokendance import LLM
+        from tokendance.server.app import create_app
+
+        self.name = serve.get_replica_context().replica_id.unique_id
+        llm = LLM(**llm_args)
+        llm.warm_up()
+        server_config = dataclasses.replace(server_config, model_name=server_config.model_name or llm.engine.model_name)
+        self.app = create_app(llm, server_config)
+        self.loop = self.app.state.engine_loop
+        self.loop.start()
+
+    def check_health(self) -> None:
+        if not self.loop.is_alive:
+            raise RuntimeError(f"the engine thread died: {self.loop.error}")
+
+    async def http(self, method: str, path: str, query: bytes, headers: list, body: bytes, route: Route):
+        """The ASGI messages of the app's answer, as they come; the client leaving (the caller
+        cancelling) reaches the app as a disconnect, which aborts the request's engine work."""
+        sent, gone, messages = False, asyncio.Event(), asyncio.Queue()
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+                 "headers": [(bytes(k), bytes(v)) for k, v in headers], "client": ("127.0.0.1", 0),
+                 "server": ("127.0.0.1", 0), "state": {}}
+        task = asyncio.ensure_future(self.app(scope, receive, messages.put))
+        try:
+            while True:
+                message = await messages.get()
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (REPLICA_HEADER.encode(), self.name.encode())]}
+                yield message
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    break
+        finally:
+            gone.set()
+            await asyncio.wait({task}, timeout=30)
+
+    def pid(self, route: Route | None = None) -> dict:
+        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive}
+
+
+@serve.deployment(max_ongoing_requests=8192, ray_actor_options={"num_cpus": 0})
+class Ingress:
+    """The endpoint: checks the API key and body size (before and while reading the body), picks
+    each request's route, forwards it and streams the replica's answer back."""
+
+    def __init__(self, engine, server_config, num_replicas: int):
+        self.engine = engine
+        self.config = server_config
+        self.num_replicas = num_replicas
+
+    async def __call__(self, request: Request) -> Response:
+        path, method = request.url.path, request.method
+        tenant = None
+        if self.config.api_keys and path not in OPEN_PATHS:
+            tenant = tenant_of(request.headers.get("authorization", "").encode(), self.config.api_keys)
+            if tenant is None:
+                return _error(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                       code="invalid_api_key"))
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                return _error(ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                                       code="request_too_large"))
+        if path == "/metrics":
+            return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4")
+        if path == "/v1/replicas":
+            return JSONResponse({"object": "list", "data": await self._broadcast_json("pid")})
+        if method == "DELETE" and path.startswith("/v1/agents/"):  # wherever its session is
+            return await self._delete(request, body)
+        route = route_for(method, path, body, tenant or "")
+        return await self._forward(request, body, route)
+
+    async def _forward(self, request: Request, body: bytes, route: Route, replica: int | None = None) -> Response:
+        if replica is not None:
+            route = Route("replica", replica=replica)
+        args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+        for attempt in (1, 2):  # a replica that died before answering: once more, elsewhere
+            stream = self.engine.options(stream=True).http.remote(*args, route=route)
+            try:
+                start = await stream.__anext__()
+            except REPLICA_FAILURES as exc:
+                log.warning("replica failed before answering (attempt %d): %s", attempt, exc)
+                continue
+            return StreamingResponse(_bodies(stream), status_code=start["status"], headers=_headers(start))
+        return _error(ApiError(503, "no engine replica could answer this request; retry later",
+                               type="server_error", code="replica_unavailable"), retry_after=True)
+
+    async def _replies(self, method: str, path: str) -> list[tuple[int, dict, bytes]]:
+        """(status, headers, body) from every replica, once each."""
+        async def one(index: int):
+            stream = self.engine.options(stream=True).http.remote(method, path, b"", [], b"",
+                                                                 route=Route("replica", replica=index))
+            start, body = None, b""
+            async for message in stream:
+                if message["type"] == "http.response.start":
+                    start = message
+                else:
+                    body += message.get("body", b"")
+            return start["status"], _headers(start), body
+
+        seen, replies = set(), []
+        for result in await _each_replica(one, self.num_replicas):
+            name = result[1].get(REPLICA_HEADER)
+            if name not in seen:
+                seen.add(name)
+                replies.append(result)
+        return replies
+
+    async def _broadcast_json(self, method_name: str) -> list[dict]:
+        async def one(index: int):
+            return await self.engine.options(method_name=method_name).remote(route=Route("replica", replica=index))
+
+        found = {result["replica"]: result for result in await _each_replica(one, self.num_replicas)}
+        return sorted(found.values(), key=lambda r: r["replica"])
+
+    async def _metrics(self) -> str:
+        """Every replica's metrics, each sample labelled with its replica, grouped by family."""
+        families: dict[str, list[str]] = {}  # "# HELP" line -> its "# TYPE" line and samples, in order
+        for _status, headers, body in await self._replies("GET", "/metrics"):
+            label, family = f'replica="{headers.get(REPLICA_HEADER, "")}"', None
+            for line in body.decode().splitlines():
+                if line.startswith("# HELP"):
+                    family = families.setdefault(line, [])
+                elif line.startswith("# TYPE"):
+                    if line not in family:
+                        family.insert(0, line)
+                elif line and family is not None:
+                    name, _, value = line.rpartition(" ")
+                    name = name[:-1] + "," + label + "}" if name.endswith("}") else name + "{" + label + "}"
+                    family.append(f"{name} {value}")
+        return "".join(f"{help_line}\n" + "".join(f"{line}\n" for line in lines) for help_line, lines in families.items())
+
+    async def _delete(self, request: Request, body: bytes) -> Response:
+        answers = []
+        for index in range(self.num_replicas):
+            answers.append(await self._forward(request, body, Route("replica", replica=index)))
+        found = [a for a in answers if a.status_code == 200]
+        return found[0] if found else answers[0]
+
+
+async def _each_replica(call, num_replicas: int) -> list:
+    """`call(rank)` for every replica rank, one after the other (calls made while one HTTP request
+    is handled share its request id, which Ray Serve's router matches replies by), skipping those
+    that fail."""
+    results = []
+    for rank in range(num_replicas):
+        try:
+            results.append(await asyncio.wait_for(call(rank), timeout=30))
+        except (asyncio.TimeoutError, *REPLICA_FAILURES) as exc:
+            log.warning("replica rank %d did not answer: %s", rank, exc)
+    return results
+
+
+async def _bodies(stream):
+    try:
+        async for message in stream:
+            if message["type"] == "http.response.body" and message.get("body"):
+                yield message["body"]
+    except REPLICA_FAILURES as exc:  # mid-answer: nothing can be retried; the client sees the stream end
+        log.warning("replica failed while answering: %s", exc)
+    finally:
+        stream.cancel()
+
+
+def _headers(start: dict) -> dict:
+    return {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in start.get("headers", [])
+            if bytes(k).lower() not in (b"content-length", b"transfer-encoding")}
+
+
+def _error(error: ApiError, retry_after: bool = False) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers={"Retry-After": "1"} if retry_after else None)
+
+
+def _wait_until_routable(args, server_config, timeout_s: float = 300) -> None:
+    """Until the ingress's router sees every replica (Ray reports the app ready before that, and
+    a first round placed meanwhile would all land on the one it knows)."""
+    import json
+    import time
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {server_config.api_keys[0]}"} if server_config.api_keys else {}
+    url, deadline = f"http://{args.host}:{args.port}/v1/replicas", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
+                if len(json.load(response)["data"]) >= args.replicas:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    log.warning("not every replica is routable after %.0f s; serving anyway", timeout_s)
+
+
+def run_replicas(args, llm_args: dict, server_config) -> int:
+    """Start (or join, with --ray-address) a Ray cluster, deploy the ingress and K replicas, and
+    serve until interrupted."""
+    import ray
+
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    llm_args = {**llm_args, "num_threads": threads}
+    if args.ray_address:
+        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING,
+                 num_cpus=max(os.cpu_count() or 1, args.replicas * threads))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    engine = EngineReplica.options(num_replicas=args.replicas,
+                                   ray_actor_options={"num_cpus": threads}).bind(llm_args, server_config)
+    serve.run(Ingress.bind(engine, server_config, args.replicas), name="tokendance", route_prefix="/")
+    _wait_until_routable(args, server_config)
+    print(f"serving {server_config.model_name or 'the model'} on {args.replicas} replicas ({threads} threads each) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
