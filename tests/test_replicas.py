@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed: pip install 'tokendance[ray]'")
 
-from tests.test_server import Server, kv_bytes  # noqa: E402
+from tests.test_server import Server, disconnect, kv_bytes, long_chat, open_stream, wait_until  # noqa: E402
 from tokendance import AgentTurn, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -93,6 +93,19 @@ def test_rounds_and_sessions_stay_on_one_replica_and_answer_as_one_engine(replic
             history = [f"Villager {a} says: {text}" for a, (text, _) in enumerate(answers)]
     finally:
         __import__("torch").set_num_threads(torch_threads)
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(replicas):
+    def aborted() -> float:
+        return sum(v for k, v in replicas.metrics().items()
+                   if k.startswith('tokendance_requests_finished_total{finish_reason="abort"'))
+
+    before = aborted()
+    connection = open_stream(replicas, long_chat(replicas.model), events=3)
+    disconnect(connection)
+    wait_until(lambda: aborted() == before + 1, timeout=60)
+    wait_until(lambda: sum(v for k, v in replicas.metrics().items()
+                           if k.startswith("tokendance_engine_running_requests")) == 0, timeout=60)
 
 
 def test_a_replica_killed_mid_round_fails_nobody_silently(replicas):

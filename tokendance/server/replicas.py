@@ -99,10 +99,19 @@ class EngineReplica:
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
                  "headers": [(bytes(k), bytes(v)) for k, v in headers], "client": ("127.0.0.1", 0),
                  "server": ("127.0.0.1", 0), "state": {}}
-        task = asyncio.ensure_future(self.app(scope, receive, messages.put))
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, messages.put)
+            finally:
+                messages.put_nowait(None)  # the app is done (an answer it never finished raises below)
+
+        task = asyncio.ensure_future(run())
         try:
             while True:
                 message = await messages.get()
+                if message is None:
+                    task.result()
+                    break
                 if message["type"] == "http.response.start":
                     message = {**message, "headers": [*message.get("headers", []),
                                                       (REPLICA_HEADER.encode(), self.name.encode())]}
