@@ -279,17 +279,33 @@ def test_ending_an_agent_during_its_round_drops_its_session_after_the_round(make
     assert not llm.end_agent("bo")
 
 
-def test_other_requests_advance_while_a_round_prepares_its_kv(make_llm):
-    # groups of 64 tokens: one agent per forward group, with or without requests in between
+def drain(llm, job) -> tuple[list, list]:
+    """Step the engine until the round is done: (agent id, finished) of every output, and for each
+    step that gave a round agent a token, whether the round still had KV to prepare."""
+    seen, preparing = [], []
+    while not job.done:
+        outputs = llm.engine.step()
+        seen += [(o.agent_id, o.finished) for o in outputs]
+        if any(o.agent_id is not None for o in outputs):
+            preparing.append(job.has_work)
+    return seen, preparing
+
+
+def test_a_round_is_a_job_of_the_step_loop(make_llm):
+    """The round's preparation runs in the engine's steps (64-token groups here), beside a lone
+    request (which finishes before any agent's first token) and beside the round's own agents:
+    the first agents decode while later ones are still prepared. Outputs equal the same round
+    run alone."""
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
     solo = llm.engine.make_request("The river is", SamplingParams(temperature=0, max_tokens=3))
     llm.engine.add(solo)
-    seen, polls = [], []
-    result = llm.rounds.run(round_turns(1), PARAMS, lambda o: seen.append((o.agent_id, o.finished)),
-                            poll=lambda: polls.append(len(seen)))
+    job = llm.rounds.submit(round_turns(1), PARAMS)
+    seen, preparing = drain(llm, job)
+    result = llm.rounds.collect(job)
     first_agent = next(i for i, (agent, _) in enumerate(seen) if agent is not None)
     assert seen[:first_agent] == [(None, False), (None, False), (None, True)]  # done before any agent's first token
-    assert polls[:3] == [0, 1, 2]  # a step of the lone request between each two forward groups
+    assert preparing[0] and not preparing[-1]  # agents decoded while others were still prepared
+    assert result.stats.first_token_seconds < result.stats.prefill_seconds
     alone = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
     reference = alone.run_round(round_turns(1), PARAMS)
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in reference.outputs]
@@ -297,17 +313,22 @@ def test_other_requests_advance_while_a_round_prepares_its_kv(make_llm):
 
 def test_agents_aborted_while_their_round_prepares_its_kv(make_llm):
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=64)
-    result = llm.rounds.run(round_turns(1), PARAMS, poll=lambda: llm.rounds.abort("bo"))
+    job = llm.rounds.submit(round_turns(1), PARAMS)
+    llm.engine.step()  # the preparation has started; no agent runs yet
+    assert llm.rounds.abort("bo") is None
+    drain(llm, job)
+    result = llm.rounds.collect(job)
     reasons = {o.agent_id: o.finish_reason for o in result.outputs}
     assert reasons["bo"] == "abort" and all(reasons[a] in ("stop", "length") for a in ("ada", "cy", "di"))
     assert sorted(llm.rounds.sessions()) == ["ada", "cy", "di"]
 
-    def leave_all():
-        for agent in AGENTS:
-            llm.rounds.abort(agent)
-
+    job = llm.rounds.submit(round_turns(2), PARAMS)
+    llm.engine.step()
+    for agent in AGENTS:
+        llm.rounds.abort(agent)
+    drain(llm, job)
     with pytest.raises(RoundAborted):  # nobody is left to answer: the round stops in its prefill
-        llm.rounds.run(round_turns(2), PARAMS, poll=leave_all)
+        llm.rounds.collect(job)
     assert not llm.engine.has_unfinished and not llm.rounds.sessions()
     assert llm.engine.stats().num_used_blocks == 0
     assert llm.run_round(round_turns(2), PARAMS).stats.num_agents == len(AGENTS)  # the runner is whole

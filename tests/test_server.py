@@ -521,6 +521,75 @@ def test_disconnect_inside_a_running_round_aborts_only_that_agent(server):
     assert after[aborted] - baseline.get(aborted, 0) == 1
 
 
+def send_and_leave(server: Server, path: str, body: dict, after: float) -> None:
+    """A client that sends a request and closes its socket `after` seconds later, unanswered."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+        data = json.dumps(body).encode()
+        raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(after)
+
+
+def test_clients_that_leave_at_any_stage_never_stop_the_engine(server):
+    """While a long prompt keeps the engine busy (so jobs wait in its inbox), clients leave before
+    the engine takes their job, during the prefill and while decoding: n > 1 chats (streamed or
+    not), completions with several prompts, a declared round's agent, a /v1/rounds request. The
+    engine thread survives all of it, serves the next request, and no KV stays behind."""
+    baseline = server.metrics()
+    busy = {"model": server.model, "prompt": " ".join(f"w{i}" for i in range(1500)), "max_tokens": 24,
+            "ignore_eos": True}
+    leavers = [
+        ("/v1/chat/completions", {**chat_body(server), "n": 2, "max_tokens": 8, "temperature": 0.7}),
+        ("/v1/chat/completions", {**chat_body(server), "n": 3, "max_tokens": 8, "temperature": 0.7, "stream": True}),
+        ("/v1/completions", {"model": server.model, "prompt": ["a b", "c d"], "n": 2, "max_tokens": 8}),
+        ("/v1/chat/completions", {**chat_body(server), "max_tokens": 8, "round_id": salt(), "round_size": 1,
+                                  "agent_id": "leaver"}),
+        ("/v1/rounds", {"model": server.model, "max_tokens": 8, "agents": [
+            {"agent_id": "x", "messages": villager(0)}, {"agent_id": "y", "messages": villager(1)}]}),
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        for after in (0.05, 0.6, 2.0):
+            keeping_busy = pool.submit(server.post, "/v1/completions", {**busy, "prompt": f"{salt()} {busy['prompt']}"})
+            time.sleep(0.3)
+            list(pool.map(lambda case: send_and_leave(server, *case, after), leavers))
+            assert keeping_busy.result()[0] == 200
+            assert server.request("GET", "/health")[0] == 200
+    status, reply = server.post("/v1/chat/completions", {**chat_body(server), "n": 2, "temperature": 0.7})
+    assert status == 200 and len(reply["choices"]) == 2
+    wait_until(idle(server, baseline["tokendance_kv_blocks_used"]), timeout=60)
+
+
+def test_a_round_agent_that_fails_fails_alone(server):
+    """An agent whose constraint cannot continue while decoding (it compiles, then its lexer
+    explodes) gets its error in its own entry; the round answers 200 with the others' replies."""
+    agents = [{"agent_id": f"a{i}", "messages": villager(i)} for i in range(3)]
+    agents[1]["guided_regex"] = "(a{4000}){4000}"
+    status, body = server.post("/v1/rounds", {"model": server.model, "max_tokens": 4, "temperature": 0,
+                                              "cache_salt": salt(), "agents": agents})
+    assert status == 200, body
+    failed, *fine = body["outputs"][1], body["outputs"][0], body["outputs"][2]
+    assert failed["finish_reason"] == "error" and failed["error"]["code"] == "agent_failed"
+    assert "the output constraint" in failed["error"]["message"] and "<state>" not in failed["error"]["message"]
+    assert all(o["finish_reason"] == "length" and o["message"]["content"] and "error" not in o for o in fine)
+    assert server.request("GET", "/health")[0] == 200
+
+
+def test_validation_is_linear_in_the_number_of_messages(server):
+    """3,000 short messages (15,000 tokens) are refused for the context window, and a chat of 600
+    messages is tokenized as `LLM.chat` does (message by message), not rendered once per prefix."""
+    many = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(3000)]
+    status, error = server.post("/v1/chat/completions", {**chat_body(server), "messages": many})
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+    deep = node = {}
+    for _ in range(220):
+        node["items"] = {"type": "array"}
+        node = node["items"]
+    status, error = server.post("/v1/chat/completions", {**chat_body(server), "guided_json": deep})
+    assert status == 400 and error["error"]["param"] == "guided_json", error
+    status, reply = server.post("/v1/chat/completions", {**chat_body(server), "messages": many[:600]})
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 3000, reply
+
+
 def test_api_key_required(guarded):
     status, _, data = guarded.request("GET", "/v1/models")
     assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"

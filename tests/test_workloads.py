@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
@@ -108,3 +109,27 @@ def test_bad_parameters_are_rejected():
     w = make_workload("generative-agents", 3)
     with pytest.raises(InvalidRequestError):
         w.turns(2, synthetic_history(w, 1))  # round 2 needs the outputs of rounds 0 and 1
+
+
+def test_chat_segments_cut_one_rendering_as_prefix_renderings_would(loaded_model):
+    """The linear cut of a chat into message segments (one rendering with sentinels) gives the
+    same ids as rendering every prefix of the conversation and taking the differences."""
+    from tokendance.reuse.segments import chat_segments, split_lines
+
+    tokenizer = loaded_model.tokenizer
+
+    def by_prefixes(messages):
+        rendered = [""] + [tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False)
+                           for end in range(1, len(messages) + 1)]
+        rendered.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        pieces = [b[len(a):] for a, b in zip(rendered, rendered[1:])]
+        contents = [m["content"] for m in messages] + [""]
+        return [tokenizer.encode(line) for piece, content in zip(pieces, contents)
+                for line in split_lines(piece, content)]
+
+    rng = random.Random(0)
+    texts = ["hi", "a\nb\n  c", " x ", "", "line1\nline2\n", '{\n  "a": 1\n}', "tab\there"]
+    for _ in range(40):
+        messages = [{"role": rng.choice(["system", "user", "assistant", "tool"]), "content": rng.choice(texts)}
+                    for _ in range(rng.randint(1, 10))]
+        assert chat_segments(tokenizer, messages) == by_prefixes(messages), messages

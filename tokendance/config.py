@@ -41,6 +41,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Tokens of a round's KV preparation per step while requests decode beside it (all of the
+    # step's budget when nothing decodes): smaller groups give the decoding requests more steps.
+    round_group_tokens: int = 512
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
@@ -62,5 +65,5 @@ class EngineConfig:
             not isinstance(self.kv_cache_bytes, int) or isinstance(self.kv_cache_bytes, bool) or self.kv_cache_bytes <= 0
         ):
             raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.round_group_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens, max_num_seqs and round_group_tokens must be >= 1")

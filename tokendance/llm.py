@@ -13,7 +13,7 @@ from tokendance.errors import CapacityError, InvalidRequestError
 from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
 from tokendance.engine.rounds import RoundResult, RoundRunner
-from tokendance.reuse.segments import AgentTurn, validate_messages
+from tokendance.reuse.segments import AgentTurn, chat_token_ids, validate_messages
 from tokendance.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -58,8 +58,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate its reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c) for c in conversations]
+        prompts = [self.chat_token_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_token_ids(self, messages: Sequence[Message]) -> list[int]:
+        """A conversation's prompt ids, as `chat`, rounds and the server tokenize it: message by
+        message, so a message has the same ids wherever it sits."""
+        validate_messages(messages)
+        self.engine.check_chat_size(messages)
+        return chat_token_ids(self.tokenizer, messages)
 
     def render_chat(self, messages: Sequence[Message]) -> str:
         validate_messages(messages)

@@ -191,6 +191,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False  # a top_p below float32's range (1e-300) compares as 0: the top token stays
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))

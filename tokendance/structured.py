@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from tokendance.errors import InvalidRequestError
 # wander into endless newlines inside an object.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_CHARS = 100_000
+MAX_REPEAT = 4096  # the largest count in a `{n}` / `{n,m}` repetition (larger ones explode the lexer)
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+class StructuredOutputError(RuntimeError):
+    """A constraint that compiled could not go on while decoding (the request fails alone)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,15 @@ class StructuredOutput:
                     raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise InvalidRequestError("a JSON schema must be a JSON object")
-            object.__setattr__(self, "json", json.dumps(schema))  # property order is the output order
+            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise InvalidRequestError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+            try:  # property order is the output order
+                json.dumps(schema, ensure_ascii=False).encode("utf-8")
+                object.__setattr__(self, "json", json.dumps(schema, allow_nan=False))
+            except UnicodeEncodeError:
+                raise InvalidRequestError("the JSON schema is not valid Unicode (it holds a lone surrogate)") from None
+            except ValueError:
+                raise InvalidRequestError("the JSON schema holds NaN or Infinity, which JSON does not allow") from None
         if self.choice is not None:
             choice = self.choice
             if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
@@ -59,8 +75,18 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{name} must be a non-empty string")
-        if len(self.spec_text()) > MAX_SPEC_CHARS:
+        text = self.spec_text()
+        if len(text) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"structured output specification over {MAX_SPEC_CHARS} characters")
+        try:
+            for piece in self.choice or (text,):
+                piece.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the structured output specification is not valid Unicode "
+                                      "(it holds a lone surrogate)") from None
+        counts = [int(n) for match in _REPEAT.finditer(text) for n in match.groups() if n]
+        if counts and max(counts) > MAX_REPEAT:
+            raise InvalidRequestError(f"a repetition count in the constraint is over {MAX_REPEAT}")
 
     def spec_text(self) -> str:
         if self.json is not None:
@@ -85,6 +111,14 @@ class StructuredOutput:
         if self.choice is not None:
             return matcher.grammar_from_regex("|".join(_regex_escape(c) for c in self.choice))
         return matcher.grammar_from_lark(self.grammar)
+
+
+def _depth(value, level: int = 0) -> int:
+    """Nesting depth of a JSON value, stopping once it is too deep to matter."""
+    if level > MAX_SCHEMA_DEPTH:
+        return level
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return max((_depth(child, level + 1) for child in children), default=level)
 
 
 def _regex_escape(text: str) -> str:
@@ -116,7 +150,13 @@ class GrammarCompiler:
 
         template = llguidance.LLMatcher(self._llguidance_tokenizer(), key, log_level=0)
         if template.is_error():
-            raise InvalidRequestError(f"invalid structured output constraint: {template.get_error()[:300]}")
+            raise InvalidRequestError(f"invalid structured output constraint: {_first_line(template.get_error())}")
+        probe = template.deep_copy()  # a grammar that allows no first token accepts nothing (or never ends)
+        words = torch.zeros((self._tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if probe.is_error() or not bool(words.any()):
+            raise InvalidRequestError("the structured output constraint accepts no output "
+                                      "(an empty language, or a rule that only refers to itself)")
         with self._lock:
             self._compiled[key] = template
             while len(self._compiled) > self._capacity:
@@ -144,17 +184,24 @@ class Guide:
         """The allowed next tokens as bits into `words` (int32, one bit per token id)."""
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if self.matcher.is_error():
-            raise RuntimeError(f"structured output failed: {self.matcher.get_error()[:300]}")
+            raise StructuredOutputError(f"the output constraint cannot continue after {self.num_consumed} tokens "
+                                        f"({_first_line(self.matcher.get_error())})")
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"structured output rejected token {token}: {self.matcher.get_error()[:300]}")
+            raise StructuredOutputError(f"the output constraint rejected token {token} after {self.num_consumed} "
+                                        f"tokens ({_first_line(self.matcher.get_error())})")
         self.num_consumed += 1
 
     def rollback_to(self, num_consumed: int) -> None:
         if num_consumed < self.num_consumed:
             self.matcher.rollback(self.num_consumed - num_consumed)
             self.num_consumed = num_consumed
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.split("\n", 1)[0].strip()[:120]
 
 
 BITS = torch.arange(32, dtype=torch.int32)

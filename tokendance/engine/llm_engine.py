@@ -10,7 +10,9 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -20,7 +22,7 @@ from tokendance.engine.request import Request, RequestStatus
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.kv.manager import KVCacheManager, SessionKey
-from tokendance.batch import SchedulerOutput
+from tokendance.batch import ScheduledRequest, SchedulerOutput
 from tokendance.model.runner import ModelRunner, RunnerOutput
 from tokendance.structured import GrammarCompiler
 from tokendance.model.llama import KVCacheTensors, LlamaModel
@@ -49,6 +51,32 @@ class EngineStats:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+
+@dataclass
+class KVGroup:
+    """A job's forward passes for one step: `items` (no sampling) through the first `num_layers`
+    layers (all when None); `complete` names the tables whose last item this group holds."""
+
+    items: list[ScheduledRequest]
+    num_layers: int | None = None
+    complete: set = field(default_factory=set)
+
+
+class KVJob(Protocol):
+    """Work that prepares KV for requests it then hands to the engine (a round: `engine/rounds.py`).
+    The engine runs one job at a time, in the order they were added, within its steps."""
+
+    done: bool
+    error: BaseException | None
+    has_work: bool
+    request_ids: list[str]
+
+    def next_group(self, budget: int) -> KVGroup | None: ...
+    def group_ran(self, group: KVGroup) -> None: ...
+    def take_ready(self) -> list[Request]: ...
+    def observe(self, outputs: list[RequestOutput]) -> None: ...
+    def fail(self, error: BaseException) -> None: ...
 
 
 @dataclass
@@ -101,6 +129,7 @@ class LLMEngine:
         if not 0 <= config.check_layer < loaded.config.num_layers:
             raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
         self.requests: dict[str, Request] = {}
+        self.jobs: deque[KVJob] = deque()  # rounds, prepared one at a time in the order they came
         self._outputs: dict[str, OutputState] = {}
         self._ids = itertools.count()
 
@@ -189,6 +218,15 @@ class LLMEngine:
                 "holds with this tokenizer"
             )
 
+    def check_chat_size(self, messages) -> None:
+        """Reject a chat that cannot fit the context window before rendering it: by its characters,
+        and by its number of messages (each takes at least one token)."""
+        if len(messages) >= self.max_model_len:
+            raise ContextLengthError(f"the chat has {len(messages)} messages; the context window is "
+                                     f"{self.max_model_len} tokens")
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages if isinstance(m, dict)
+                                    and isinstance(m.get("content"), str)))
+
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
@@ -206,25 +244,115 @@ class LLMEngine:
             return None
         return self._close(request_id, "abort")
 
+    def add_job(self, job: KVJob) -> None:
+        """Queue a job (a round): the steps advance it after the jobs added before it."""
+        self.jobs.append(job)
+
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.jobs)
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch. Returns an output for every request that got a token (finished or not)."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        """Run one batch: the scheduler's decodes and prefill chunks, and the next forward group of
+        the current job's preparation, in one forward. Returns an output for every request that
+        got a token (finished or not)."""
+        job = self.jobs[0] if self.jobs else None
+        budget = self.config.max_num_batched_tokens
+        # a preparing job keeps half the budget from long prefills; decodes still all run
+        out = self.scheduler.schedule(budget - budget // 2 if job is not None and job.has_work else budget,
+                                      can_wait=job is not None)
+        group = None
+        if job is not None:
+            room = budget - out.num_batched_tokens
+            if self.scheduler.running:  # requests decode: a smaller group, so their tokens keep coming
+                room = min(room, self.config.round_group_tokens)
+            group = self._job_call(job, job.next_group, room)
+        outputs = []
+        if not out.is_empty or group is not None:
+            out, result, failed, group = self._run(out, group, job)
+            outputs = self._update(out, result, failed)
+        if job is not None:
+            outputs = self._advance_job(job, group, outputs)
+        return outputs
+
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request and fail every job (a driver's last resort after a bug)."""
+        for job in list(self.jobs):
+            self._job_call(job, job.fail, error)
+            self.jobs.remove(job)
+        for request_id in list(self.requests):
+            self._close(request_id, "abort")
+
+    def _run(self, out: SchedulerOutput, group: KVGroup | None, job: KVJob | None):
+        """Run the step; a failure is narrowed down: the job's group alone (if it fails, the job
+        does), then the requests one by one. Returns (the requests that ran, their result, (id,
+        error) of the requests that failed, the group if it ran)."""
         sampling = self.runner.sampler.snapshot()
         try:
-            result = self.runner.execute(out)
-        except Exception as exc:  # find the request(s) at fault; the others' step still runs
+            return out, self._forward(out, group), [], group
+        except Exception as exc:
             self.runner.sampler.restore(sampling)
-            out, result, failed = self._isolate(out, exc)
-        else:
-            failed = []
+            error = exc
+        if group is not None:
+            try:
+                self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers)
+            except Exception as job_error:
+                logger.exception("a round's preparation failed")
+                self._job_call(job, job.fail, job_error)
+                group = None
+            try:
+                return out, self._forward(out, None), [], group
+            except Exception as exc:
+                self.runner.sampler.restore(sampling)
+                error = exc
+        return *self._isolate(out, error), group
+
+    def _forward(self, out: SchedulerOutput, group: KVGroup | None) -> RunnerOutput:
+        items = []
+        if group is not None and group.num_layers is not None:  # a partial pass (the check pass): its own
+            self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers)
+        elif group is not None:
+            items = group.items
+        if not items and out.is_empty:
+            return RunnerOutput({}, {})
+        return self.runner.execute(SchedulerOutput(out.scheduled + items, out.block_copies))
+
+    def _job_call(self, job: KVJob, fn, *args):
+        """Call into a job; a bug there fails that job (its round), not the engine."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            logger.exception("a round failed")
+            if job.error is None:
+                try:
+                    job.fail(exc)
+                except Exception:
+                    logger.exception("a failed round could not clean up")
+                    job.error = exc
+            return None
+
+    def _advance_job(self, job: KVJob, group: KVGroup | None, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """After the step: the job learns what ran and what finished, and hands over the requests
+        whose KV it prepared. A failed job's requests are aborted (the caller sees `job.error`)."""
+        if group is not None and job.error is None:
+            self._job_call(job, job.group_ran, group)
+        for request in (self._job_call(job, job.take_ready) or []) if job.error is None else []:
+            self.add(request)
+        if job.error is None:
+            self._job_call(job, job.observe, outputs)
+        if job.error is not None:
+            ids = set(job.request_ids)
+            for request_id in ids & self.requests.keys():
+                self._close(request_id, "abort")
+            outputs = [o for o in outputs if o.request_id not in ids]
+        if job.done:
+            self.jobs.remove(job)
+        return outputs
+
+    def _update(self, out: SchedulerOutput, result: RunnerOutput, failed: list) -> list[RequestOutput]:
+        """The step's results re-enter the engine: tokens, stops, finished requests."""
         now = time.perf_counter()
         for request_id, logits in result.logits.items():
             state, wanted = self._outputs[request_id], self.requests[request_id].sampling_params.return_logits
@@ -252,6 +380,8 @@ class LLMEngine:
         """The batch failed: run each request of it alone (it rewrites its own new slots, so this is
         safe; the step's copy-on-write copies are redone once first). Returns the batch of those
         that ran, their merged result, and (id, error) of the others."""
+        if not out.scheduled:
+            return out, RunnerOutput({}, {}), []
         if len(out.scheduled) == 1:
             logger.exception("request %s failed in a step", out.scheduled[0].request_id)
             return SchedulerOutput(), RunnerOutput({}, {}), [(out.scheduled[0].request_id, exc)]

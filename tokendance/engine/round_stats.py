@@ -30,6 +30,7 @@ class RoundStats:
     mode: str
     num_agents: int
     round_seconds: float = 0.0  # until every agent has its whole output
+    first_token_seconds: float = 0.0  # until the first agent has its first token
     prefill_seconds: float = 0.0  # round TTFT: until every agent has its first token
     decode_seconds: float = 0.0
     lookup_seconds: float = 0.0  # base KV of shared spans (+ position-corrected copies in pic)

@@ -1,4 +1,4 @@
-"""Rounds of agent turns on an engine: waves, the drain loop, aborts and statistics.
+"""Rounds of agent turns: a round is a job that the engine's step advances, like any request.
 
 A round is a set of agent turns submitted together. The reuse policy (one per mode, see
 `reuse/policy.py`) decides how each agent's prompt KV is prepared before the scheduler computes
@@ -9,34 +9,41 @@ its last token and decodes:
 - pic:        prefix caching + per-request position-independent reuse of shared spans (CacheBlend)
 - tokendance: agent sessions + the KV Collector with Master-Mirror tables
 
-Prepared KV enters the scheduler through the KV manager (`mark_prepared`, then the scheduler's
-`find_computed` query); agent sessions are kept tables of the KV manager (`SessionKey`), evicted
-by it, least recently kept first, when an allocation needs room.
+A policy's prefill is a generator of forward passes (`Work`) and of agents whose tables are
+complete (`Ready`); it runs no pass itself. At each step the engine asks the round's job for a
+group of those passes within the step's token budget (`RoundJob.next_group`) and runs it in the
+same forward as every other request's decodes and prefill chunks; an agent whose table is ready
+is added to the engine at once (`take_ready`) and decodes in the next steps, beside the next
+groups of its round's preparation. Prepared KV enters the scheduler through the KV manager
+(`mark_prepared`, then the scheduler's `find_computed` query); agent sessions are kept tables of
+the KV manager (`SessionKey`), evicted by it, least recently kept first, when an allocation
+needs room.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
 
-from tokendance.engine.llm_engine import LLMEngine
+from tokendance.batch import ScheduledRequest
+from tokendance.engine.llm_engine import KVGroup, LLMEngine
 from tokendance.engine.request import Request
 from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, merge_waves
 from tokendance.errors import CapacityError, InvalidRequestError, TokenDanceError
 from tokendance.kv.manager import SessionKey
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import make_policy
-from tokendance.reuse.round_kv import PrefillReport, ReusePolicy, RoundKV, Session
+from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, ReusePolicy, RoundKV, Session, Work
 from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
 from tokendance.reuse.selection import make_selector
 from tokendance.sampling import SamplingParams
 
 
 class RoundTooLarge(CapacityError):
-    """The pool cannot hold a round's prepared KV at once (nothing of it ran yet)."""
+    """The pool cannot hold even one agent's prepared KV."""
 
 
 class RoundAborted(TokenDanceError):
@@ -50,25 +57,335 @@ class RoundResult:
     stats: RoundStats
 
 
+@dataclass
+class _Wave:
+    """Agents prepared together (the whole round, unless the pool could not hold it at once)."""
+
+    indices: list[int]  # into the job's requests
+    started: float = 0.0
+    report: PrefillReport = field(default_factory=PrefillReport)
+    reads_before: object = None
+    stats: RoundStats | None = None
+
+
+@dataclass
+class _Pending:
+    """A `Work` while the engine runs it in groups: what is left, and the items' table ids."""
+
+    work: Work
+    items: deque[ScheduledRequest]
+
+
+class RoundJob:
+    """One round in the engine. Waves run one after the other (a wave starts once the agents of
+    the waves before it finished); within a wave, each agent is released to the engine as soon as
+    its table is complete. Invariants: every agent ends exactly once, with an output in
+    `outputs` (finished, aborted or failed); when the job is done, nothing of its prefill is held
+    (masters, recalled segments, scratch tables), and each agent's KV is its session or freed."""
+
+    def __init__(self, runner: RoundRunner, index: int, requests: list[Request], tokenized: list[TokenizedTurn],
+                 turn_order: list[int]):
+        self.runner = runner
+        self.turn_order = turn_order  # requests[k] is the turn submitted at turn_order[k]
+        self.policy: ReusePolicy = runner.policy
+        self.kv = runner.engine.kv
+        self.index = index
+        self.requests = requests
+        self.tokenized = tokenized
+        self.outputs: dict[str, RequestOutput] = {}  # request id -> final output
+        self.error: BaseException | None = None
+        self.result: RoundResult | None = None
+        self.ending: set[str] = set()  # agents whose session ends with the round
+        self.abandoned: set[str] = set()  # agents aborted before their request reached the engine
+        self.started: float | None = None  # when its first wave started preparing
+        self._by_agent = {r.agent_id: i for i, r in enumerate(requests)}
+        self._waves: deque[_Wave] = deque([_Wave(list(range(len(requests))))])
+        self._done_waves: list[_Wave] = []
+        self._wave: _Wave | None = None
+        self._prefill: Generator | None = None
+        self._agents: dict[str, AgentPrefill] = {}  # table id -> agent, while its table is prepared
+        self._pending: _Pending | None = None
+        self._released: set[str] = set()  # request ids handed to the engine
+        self._ready: list[Request] = []
+
+    # ------------------------------------------------------------ what the engine asks
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def has_work(self) -> bool:
+        """Forward passes of its preparation are waiting to run."""
+        return self._pending is not None
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    def request_id_of(self, agent_id: str) -> str | None:
+        """The request id of the agent's turn in this round, None if it has none."""
+        index = self._by_agent.get(agent_id)
+        return None if index is None else self.requests[index].request_id
+
+    def next_group(self, budget: int) -> KVGroup | None:
+        """Up to `budget` tokens of the preparation's next passes (None: none to run now)."""
+        self._advance()
+        if self._pending is None or budget <= 0:
+            return None
+        pending, items, tokens = self._pending, [], 0
+        while pending.items and tokens < budget:
+            item = pending.items[0]
+            take = min(len(item.token_ids), budget - tokens)
+            if take == len(item.token_ids):
+                items.append(pending.items.popleft())
+            else:  # a chunk: its queries attend to the slots before it, as in chunked prefill
+                last = item.positions[take - 1]
+                items.append(ScheduledRequest(item.request_id, item.token_ids[:take], item.positions[:take],
+                                              item.context_slots[: last + 1], False, None))
+                pending.items[0] = dataclasses.replace(item, token_ids=item.token_ids[take:],
+                                                       positions=item.positions[take:])
+            tokens += take
+        complete = {i.request_id for i in items} - {i.request_id for i in pending.items}
+        return KVGroup(items, pending.work.num_layers, complete)
+
+    def group_ran(self, group: KVGroup) -> None:
+        """Its passes ran: agents whose last item it was are ready; an exhausted Work lets the
+        prefill go on at the next step."""
+        pending = self._pending
+        if pending is None:
+            return
+        if pending.work.releases:
+            self._release([self._agents[t] for t in group.complete if t in self._agents])
+        if not pending.items:
+            self._pending = None
+
+    def take_ready(self) -> list[Request]:
+        """Requests whose tables are ready, for the engine to add now."""
+        ready, self._ready = self._ready, []
+        return ready
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """The step's outputs: the round's agents that finished keep their tables (unpinned: evicted
+        under memory pressure before any running request is preempted)."""
+        for output in outputs:
+            if output.finished and output.request_id in self._released:
+                self._record(output)
+                if self.kv.has(output.request_id):
+                    self.kv.keep(output.request_id)
+        self._end_wave_if_done()
+
+    def fail(self, error: BaseException) -> None:
+        """The round cannot go on: nothing of its preparation stays behind (the engine aborts its
+        requests that run)."""
+        self._close_prefill()
+        for request in self.requests:  # the tables of agents not running (the engine frees those)
+            if request.request_id not in self._released or request.request_id in self.outputs:
+                self.kv.free(request.request_id)
+        self.policy.end_round()
+        self.error = error
+
+    # ------------------------------------------------------------ aborts (from the runner)
+
+    def abandon(self, agent_id: str) -> None:
+        """The agent's client left before its request reached the engine: it is never added."""
+        if agent_id in self._by_agent and self.requests[self._by_agent[agent_id]].request_id not in self._released:
+            self.abandoned.add(agent_id)
+
+    def record_abort(self, output: RequestOutput) -> None:
+        self._record(output)
+
+    # ------------------------------------------------------------ the prefill
+
+    def _advance(self) -> None:
+        """Resume the prefill until it yields passes to run (or the wave waits for its agents)."""
+        while self._pending is None and not self.done:
+            if self._prefill is None:
+                if not self._start_wave():
+                    return
+                continue
+            if self._all_abandoned():
+                return
+            try:
+                step = next(self._prefill)
+            except StopIteration as stop:
+                self._prefill_ended(stop.value)
+            except CapacityError as exc:
+                self._too_large(exc)
+            else:
+                if isinstance(step, Ready):
+                    self._release(step.agents)
+                else:
+                    self._pending = _Pending(step, deque(step.items))
+
+    def _start_wave(self) -> bool:
+        """Open the next wave's tables once the agents before it finished; False if it waits (or
+        no wave is left)."""
+        if self._wave is not None or not self._waves:
+            return False
+        if any(r not in self.outputs for r in self._released):
+            return False  # the wave before still decodes: its sessions may be evicted by this one
+        wave = self._waves.popleft()
+        for i in [i for i in wave.indices if self.requests[i].agent_id in self.abandoned]:
+            self._record(self._unstarted_output(self.requests[i], "abort"))
+        wave.indices = [i for i in wave.indices if self.requests[i].agent_id not in self.abandoned]
+        if not wave.indices:
+            self._end_wave_if_done()
+            return True
+        self._wave, wave.started = wave, time.perf_counter()
+        self.started = self.started or wave.started
+        wave.reads_before = dataclasses.replace(self.runner.engine.runner.model.decode_reads)
+        agents = []
+        try:
+            for i in wave.indices:
+                request, turn = self.requests[i], self.tokenized[i]
+                agent = self.policy.open_table(request.request_id, turn) if self.policy.prepares_tables else \
+                    AgentPrefill(request.request_id, turn, 0)
+                agent.max_output_tokens = request.max_tokens
+                agents.append(agent)
+        except CapacityError as exc:
+            for agent in agents:
+                self.kv.free(agent.table_id)
+            self._agents = {}
+            self._too_large(exc)
+            return True
+        self._agents = {a.table_id: a for a in agents}
+        self._prefill = self.policy.prefill(agents)
+        return True
+
+    def _release(self, agents: list[AgentPrefill]) -> None:
+        for agent in agents:
+            request = self.requests[self._by_agent[agent.turn.agent_id]]
+            del self._agents[agent.table_id]
+            if request.agent_id in self.abandoned:
+                self.kv.free(request.request_id)
+                self._record(self._unstarted_output(request, "abort"))
+                continue
+            if self.policy.prepares_tables:
+                self.policy.finish(agent)
+                self.kv.mark_prepared(request.request_id, agent.num_prepared, agent.num_cached)
+            self._released.add(request.request_id)
+            self._ready.append(request)
+
+    def _prefill_ended(self, report: PrefillReport) -> None:
+        self._wave.report = report or PrefillReport()
+        self._prefill = None
+        self.policy.end_round()  # masters and recalled segments: every table of the wave is complete
+        self._end_wave_if_done()
+
+    def _too_large(self, exc: CapacityError) -> None:
+        """The pool cannot hold the wave's prepared KV: its agents not released yet are prepared
+        later, in a wave of their own (halved if none of the wave was released)."""
+        wave = self._wave
+        self._close_prefill()
+        waiting = [i for i in wave.indices if self.requests[i].request_id not in self._released]
+        for i in waiting:
+            self.kv.free(self.requests[i].request_id)
+        self.policy.end_round()
+        released = [i for i in wave.indices if i not in waiting]
+        self._wave = None
+        if not released and len(waiting) == 1:
+            self.fail(RoundTooLarge(str(exc)))
+            return
+        if released:
+            wave.indices = released
+            self._done_waves.append(wave)  # ends when its released agents finished
+            self._waves.appendleft(_Wave(waiting))
+        else:
+            half = len(waiting) // 2
+            self._waves.extendleft([_Wave(waiting[half:]), _Wave(waiting[:half])])
+        self._end_wave_if_done()
+
+    def _close_prefill(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()  # its finally blocks free scratch and recalled tables
+        self._prefill, self._pending, self._agents = None, None, {}
+
+    def _all_abandoned(self) -> bool:
+        """Every agent was aborted before any ran: the round stops in its preparation."""
+        if self._released or any(agent not in self.abandoned for agent in self._by_agent):
+            return False
+        self.fail(RoundAborted("every agent of the round was aborted"))
+        return True
+
+    # ------------------------------------------------------------ the end
+
+    def _record(self, output: RequestOutput) -> None:
+        self.outputs.setdefault(output.request_id, output)
+
+    def _end_wave_if_done(self) -> None:
+        """A wave ends when its prefill ended and all its agents have their outputs; the round
+        when its last wave did."""
+        wave = self._wave
+        if wave is not None and self._prefill is None and all(
+                self.requests[i].request_id in self.outputs for i in wave.indices):
+            self._finish_wave(wave)
+            self._wave = None
+        for wave in [w for w in self._done_waves if w.stats is None]:
+            if all(self.requests[i].request_id in self.outputs for i in wave.indices):
+                self._finish_wave(wave)
+        if self._wave is None and not self._waves and len(self.outputs) == len(self.requests) and not self.done:
+            self._finish_round()
+
+    def _finish_wave(self, wave: _Wave) -> None:
+        runner, engine = self.runner, self.runner.engine
+        requests = [self.requests[i] for i in wave.indices]
+        tokenized = [self.tokenized[i] for i in wave.indices]
+        outputs = [self.outputs[r.request_id] for r in requests]
+        stats = RoundStats(self.index, self.policy.name, len(requests))
+        fill_times(stats, wave.report, outputs, wave.started, self.policy.prepares_tables)
+        fill_kv(stats, self.kv, engine.bytes_per_block, [r.request_id for r in requests], tokenized)
+        if wave.reads_before is not None:
+            fill_reads(stats, wave.reads_before, engine.runner.model.decode_reads, runner.row_bytes)
+        wave.stats = stats
+        if wave not in self._done_waves:
+            self._done_waves.append(wave)
+        for request, turn in zip(requests, tokenized):
+            if not self.kv.has(request.request_id):
+                continue  # aborted, or its kept table was evicted under memory pressure
+            if self.policy.keeps_sessions and turn.agent_id not in self.ending:
+                computed = request.token_ids[: request.num_computed_tokens]
+                session = Session(computed, self.index, turn.spans)
+                self.kv.keep(request.request_id, key=SessionKey(turn.agent_id), payload=session)
+            else:
+                self.kv.free(request.request_id)
+
+    def _finish_round(self) -> None:
+        waves = [w for w in self._done_waves if w.stats is not None]
+        outputs = [self.outputs[r.request_id] for r in self.requests]
+        started = self.started or time.perf_counter()
+        if len(waves) == 1:
+            stats = waves[0].stats
+        else:
+            stats = merge_waves([([self.outputs[self.requests[i].request_id] for i in w.indices], w.stats)
+                                 for w in waves], started)
+        stats.num_agents = len(outputs)
+        stats.first_token_seconds = min((o.first_token_time for o in outputs if o.first_token_time),
+                                        default=started) - started
+        self.result = RoundResult(outputs, stats)
+
+    def _unstarted_output(self, request: Request, reason: str) -> RequestOutput:
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, "", [], reason,
+                             request.num_prompt_tokens, 0, 0, arrival_time=request.arrival_time,
+                             agent_id=request.agent_id)
+
+
 class RoundRunner:
-    """Runs rounds on an engine with one reuse policy. Holds no KV: sessions live in the engine's
-    KV manager. Invariant: `_running` maps each agent of the running round to its request id."""
+    """Submits rounds to an engine with one reuse policy, and drains them (`run`). Holds no KV:
+    sessions live in the engine's KV manager."""
 
     def __init__(self, engine: LLMEngine, policy: ReusePolicy):
         self.engine = engine
         self.policy = policy
         self.round_index = 0
-        self._running: dict[str, str] = {}
-        self._ending: set[str] = set()  # agents of the running round whose session ends with it
-        self._aborted: dict[str, RequestOutput] = {}
-        self._agents: set[str] = set()  # every agent of the running round (all its waves)
-        self._abandoned: set[str] = set()  # agents aborted before their request reached the engine
+        c = engine.model_config
+        self.row_bytes = engine.bytes_per_block // engine.config.block_size // c.num_layers // c.num_kv_heads
+        self._jobs: list[RoundJob] = []  # submitted and not done, in order
 
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> RoundRunner:
         c = engine.config
-        round_kv = RoundKV(engine.kv, engine.runner, make_selector(c.selection, c.recompute_ratio), c.check_layer,
-                           c.max_num_batched_tokens)
+        round_kv = RoundKV(engine.kv, engine.runner, make_selector(c.selection, c.recompute_ratio), c.check_layer)
         return cls(engine, make_policy(c.reuse, round_kv, c.collective_selection))
 
     # ------------------------------------------------------------ sessions
@@ -78,14 +395,15 @@ class RoundRunner:
         return {key.agent_id: session for key, session in self.engine.kv.find_kept(SessionKey).items()}
 
     def is_running(self, agent_id: str) -> bool:
-        """The agent has a turn in the round running now."""
-        return agent_id in self._running
+        """The agent has a turn in a round submitted and not done."""
+        return self._job_of(agent_id) is not None
 
     def end_agent(self, agent_id: str) -> bool:
         """Drop an agent's session; False if it has none. An agent whose turn is running keeps
         its turn, and its KV is dropped when the round ends instead of kept."""
-        if agent_id in self._running:
-            self._ending.add(agent_id)
+        job = self._job_of(agent_id)
+        if job is not None:
+            job.ending.add(agent_id)
             return True
         key = SessionKey(agent_id)
         if not self.engine.kv.has(key):
@@ -93,118 +411,76 @@ class RoundRunner:
         self.engine.kv.free(key)
         return True
 
-    def abort(self, agent_id: str) -> RequestOutput | None:
-        """Abort one agent of the running round (e.g. from `on_output` or `poll`: its client left).
-        Its KV is freed at once (masters it created stay while others hold them), the other agents
-        go on, and the round returns its output with finish_reason "abort" and keeps no session
-        for it. An agent whose KV is still being prepared is aborted when the prefill ends (None
-        now); if every agent of the round is, the round stops there (`RoundAborted`)."""
-        request_id = self._running.get(agent_id)
-        if request_id is not None and request_id in self.engine.requests:
+    def abort(self, agent_id: str, job: RoundJob | None = None) -> RequestOutput | None:
+        """Abort one agent's turn (its client left) in `job` (by default the first round holding
+        it). Its KV is freed at once (masters it computed stay while others hold them), the other
+        agents go on, and the round's output for it has finish_reason "abort" and it keeps no
+        session. Returns that output if the agent's request was running; an agent whose KV is
+        still being prepared is never started (None now). If every agent of a round is aborted
+        while the round prepares, the round stops there (`RoundAborted`)."""
+        job = job or self._job_of(agent_id)
+        request_id = None if job is None else job.request_id_of(agent_id)
+        if request_id is None:
+            return None
+        if request_id in self.engine.requests:
             output = self.engine.abort_request(request_id)
-            self._aborted[request_id] = output
+            job.record_abort(output)
+            job.observe([])
             return output
-        if agent_id in self._agents:
-            self._abandoned.add(agent_id)
+        job.abandon(agent_id)
         return None
 
     # ------------------------------------------------------------ a round
 
-    def run(
-        self,
-        turns: Sequence[AgentTurn],
-        params: SamplingParams | Sequence[SamplingParams],
-        on_output: Callable[[RequestOutput], None] | None = None,
-        poll: Callable[[], None] | None = None,
-    ) -> RoundResult:
-        """`params` is one SamplingParams for all turns or one per turn. `on_output` sees every
-        output the engine produces while the round runs (streaming, and requests outside the
-        round that share the engine, as in the server); outputs of the round carry `agent_id`.
-
-        Requests outside the round keep running while its KV is prepared: between the prefill's
-        forward groups (cut smaller while they run) they take a step. `poll` is called there
-        first: the caller's chance to add requests and abort agents."""
+    def submit(self, turns: Sequence[AgentTurn], params: SamplingParams | Sequence[SamplingParams]) -> RoundJob:
+        """Validate a round and hand it to the engine, which prepares and runs it in its steps
+        (after the rounds submitted before it). `params`: one for all turns or one per turn."""
         tokenized, params = self._validate(turns, params)
-        for turn, p in zip(tokenized, params):  # every request is valid before any wave starts
-            self.engine.make_request(turn.token_ids, p, namespace=turn.namespace)
+        engine = self.engine
+        for turn, p in zip(tokenized, params):  # every request is valid before any is made
+            engine.make_request(turn.token_ids, p, namespace=turn.namespace)
         # The round runs in an order of its contents (then agent ids), not of arrival: masters,
-        # selection, waves and batch composition, hence the outputs, do not depend on the order
-        # the turns came in.
+        # selection, release order and batch composition, hence the outputs, do not depend on the
+        # order the turns came in.
         order = sorted(range(len(tokenized)),
                        key=lambda i: (tokenized[i].namespace, tokenized[i].token_ids, tokenized[i].agent_id))
-        tokenized, params = [tokenized[i] for i in order], [params[i] for i in order]
-        started = time.perf_counter()
-        self._agents, self._abandoned = {t.agent_id for t in tokenized}, set()
-        try:
-            waves = self._run_waves(tokenized, params, on_output, poll)
-        finally:
-            self._agents, self._abandoned = set(), set()
-        if len(waves) == 1:
-            result = waves[0]
-        else:
-            stats = merge_waves([(w.outputs, w.stats) for w in waves], started)
-            result = RoundResult([o for w in waves for o in w.outputs], stats)
-        outputs = [None] * len(order)
-        for position, index in enumerate(order):
-            outputs[index] = result.outputs[position]
-        return RoundResult(outputs, result.stats)
-
-    def _run_waves(self, tokenized, params, on_output, poll) -> list[RoundResult]:
-        """The whole round at once or, when the pool cannot hold the round's prepared KV, in two
-        halves (recursively). A later wave may evict an earlier wave's sessions (LRU), never its
-        outputs."""
-        try:
-            return [self._run_wave(tokenized, params, on_output, poll)]
-        except RoundTooLarge:
-            if len(tokenized) == 1:
-                raise
-        half = len(tokenized) // 2
-        return (self._run_waves(tokenized[:half], params[:half], on_output, poll)
-                + self._run_waves(tokenized[half:], params[half:], on_output, poll))
-
-    def _run_wave(self, tokenized: list[TokenizedTurn], params: list[SamplingParams], on_output,
-                  poll) -> RoundResult:
-        engine = self.engine
+        index = self.round_index
+        self.round_index += 1
         requests = [
-            engine.make_request(t.token_ids, p, request_id=f"round{self.round_index}:{t.agent_id}",
-                                namespace=t.namespace, agent_id=t.agent_id, retain_kv=True,
-                                group=f"round{self.round_index}")
-            for t, p in zip(tokenized, params)
+            engine.make_request(tokenized[i].token_ids, params[i], request_id=f"round{index}:{tokenized[i].agent_id}",
+                                namespace=tokenized[i].namespace, agent_id=tokenized[i].agent_id, retain_kv=True,
+                                group=f"round{index}")
+            for i in order
         ]
-        stats = RoundStats(self.round_index, self.policy.name, len(tokenized))
-        self._running = {r.agent_id: r.request_id for r in requests}
-        model = engine.runner.model
-        reads_before = dataclasses.replace(model.decode_reads)
-        started = time.perf_counter()
-        try:
-            self.policy.round_kv.pause = lambda: self._pause(on_output, poll)
-            try:
-                report = self._prefill(requests, tokenized)
-            except CapacityError as exc:  # nothing was added to the engine yet: a smaller wave may fit
-                raise RoundTooLarge(str(exc)) from exc
-            finally:
-                self.policy.round_kv.pause = None
-            for request in requests:
-                engine.add(request)
-            self._aborted = {}
-            for request in requests:  # aborted while the prefill ran
-                if request.agent_id in self._abandoned:
-                    self.abort(request.agent_id)
-            outputs = self._drain({r.request_id for r in requests}, on_output)
-        except BaseException:
-            for request in requests:  # nothing of a failed round stays behind
-                if engine.abort_request(request.request_id) is None:
-                    engine.kv.free(request.request_id)
-            self.policy.end_round()
-            self._running, self._ending = {}, set()
-            raise
-        results = [outputs[r.request_id] for r in requests]
-        fill_times(stats, report, results, started, self.policy.prepares_tables)
-        fill_kv(stats, engine.kv, engine.bytes_per_block, [r.request_id for r in requests], tokenized)
-        fill_reads(stats, reads_before, model.decode_reads, engine.bytes_per_block // engine.config.block_size
-                   // engine.model_config.num_layers // engine.model_config.num_kv_heads)
-        self._finish_round(requests, tokenized)
-        return RoundResult(results, stats)
+        job = RoundJob(self, index, requests, [tokenized[i] for i in order], order)
+        self._jobs.append(job)
+        engine.add_job(job)
+        return job
+
+    def run(self, turns: Sequence[AgentTurn], params: SamplingParams | Sequence[SamplingParams],
+            on_output: Callable[[RequestOutput], None] | None = None) -> RoundResult:
+        """Submit a round and step the engine until it is done. `on_output` sees every output the
+        engine produces meanwhile (streaming, and requests outside the round that share the
+        engine); outputs of the round carry `agent_id`. Raises what failed the round."""
+        job = self.submit(turns, params)
+        while not job.done:
+            for output in self.engine.step():
+                if on_output is not None:
+                    on_output(output)
+        return self.collect(job)
+
+    def collect(self, job: RoundJob) -> RoundResult:
+        """A done round's result, outputs in the order its turns were submitted; raises its error."""
+        if job.error is not None:
+            raise job.error
+        outputs = [None] * len(job.requests)
+        for position, index in enumerate(job.turn_order):
+            outputs[index] = job.result.outputs[position]
+        return RoundResult(outputs, job.result.stats)
+
+    def _job_of(self, agent_id: str) -> RoundJob | None:
+        self._jobs = [j for j in self._jobs if not j.done]
+        return next((j for j in self._jobs if j.request_id_of(agent_id) is not None), None)
 
     def _validate(self, turns, params) -> tuple[list[TokenizedTurn], list[SamplingParams]]:
         if not isinstance(turns, Sequence) or isinstance(turns, str) or not turns:
@@ -224,65 +500,3 @@ class RoundRunner:
         if len(params) != len(turns):
             raise InvalidRequestError(f"{len(params)} sampling params for {len(turns)} turns")
         return tokenize_round(self.engine.tokenizer, turns), list(params)
-
-    def _prefill(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> PrefillReport:
-        """Prepare every agent's table for [0, L-1) and tell the KV manager, where the scheduler
-        finds it when it admits the request."""
-        if not self.policy.prepares_tables:
-            return PrefillReport()
-        agents = [self.policy.open_table(r.request_id, t) for r, t in zip(requests, tokenized)]
-        report = self.policy.prefill(agents)
-        for request, agent in zip(requests, agents):
-            self.policy.finish(agent)
-            self.engine.kv.mark_prepared(request.request_id, agent.num_prepared, agent.num_cached)
-        return report
-
-    def _pause(self, on_output, poll) -> bool:
-        """Between prefill groups: `poll`, then one step of the requests outside the round (the
-        round's own are not in the engine yet). True while such requests run."""
-        if poll is not None:
-            poll()
-        if self._agents <= self._abandoned:
-            raise RoundAborted("every agent of the round was aborted")
-        if not self.engine.has_unfinished:
-            return False
-        for output in self.engine.step():
-            if on_output is not None:
-                on_output(output)
-        return self.engine.has_unfinished
-
-    def _drain(self, request_ids: set[str], on_output) -> dict[str, RequestOutput]:
-        """Step the engine until every request of the round finished; other requests sharing the
-        engine advance too and their outputs go to `on_output`. A finished agent's table is kept
-        (unpinned: evicted under memory pressure before any running request is preempted)."""
-        done: dict[str, RequestOutput] = {}
-        kv = self.engine.kv
-        while True:
-            for request_id in request_ids & self._aborted.keys():
-                done[request_id] = self._aborted.pop(request_id)
-            if len(done) == len(request_ids):
-                break
-            for output in self.engine.step():
-                if on_output is not None:
-                    on_output(output)
-                if output.finished and output.request_id in request_ids:
-                    done[output.request_id] = output
-                    if kv.has(output.request_id):
-                        kv.keep(output.request_id)
-        self._aborted = {}
-        return done
-
-    def _finish_round(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> None:
-        kv = self.engine.kv
-        for request, turn in zip(requests, tokenized):
-            if not kv.has(request.request_id):
-                continue  # aborted, or its kept table was evicted under memory pressure
-            if self.policy.keeps_sessions and turn.agent_id not in self._ending:
-                computed = request.token_ids[: request.num_computed_tokens]
-                session = Session(computed, self.round_index, turn.spans)
-                kv.keep(request.request_id, key=SessionKey(turn.agent_id), payload=session)
-            else:
-                kv.free(request.request_id)
-        self.policy.end_round()
-        self._running, self._ending = {}, set()
-        self.round_index += 1

@@ -40,9 +40,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None, can_wait: bool = False) -> SchedulerOutput:
+        """`budget`: tokens this step may schedule (default: all); `can_wait`: other work (a round's
+        preparation) will free or use the pool, so a blocked queue waits instead of failing."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else budget
         preemptions_before = self.num_preemptions
         index = 0
         while index < len(self.running) and budget > 0:
@@ -57,7 +59,7 @@ class Scheduler:
         # After a preemption, admitting new work would only thrash.
         if self.num_preemptions == preemptions_before:
             self._admit(out, budget)
-        if out.is_empty and self.waiting and not self.running:
+        if out.is_empty and self.waiting and not self.running and not can_wait:
             self._unblock(out, budget)
         return out
 

@@ -2,7 +2,7 @@
 point at blocks other tables own (agent sessions, master/mirror sharing), and kept tables.
 
 A table is named by a `TableId`: a request id (str) while a request runs, or a typed key for KV
-kept outside requests (`SessionKey`, `RecallKey`, `ScratchKey`). Kept tables are pinned or
+kept outside requests (`SessionKey`, `RecallKey`, `ScratchKey`, `MasterKey`). Kept tables are pinned or
 unpinned; when an allocation does not fit, the manager evicts unpinned kept tables itself, least
 recently kept first, before it reports failure. Nobody is called back.
 """
@@ -36,6 +36,11 @@ class ScratchKey:
     """Throw-away KV of a round prefill's check pass."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class MasterKey:
+    """The slots of a round's masters, held while its prefill runs (see `reuse.round_kv`)."""
 
 
 TableId = Hashable  # a request id (str), or one of the keys above

@@ -18,7 +18,9 @@ import time
 from tokendance.kv.manager import RecallKey, SessionKey
 from tokendance.reuse.round_kv import (
     AgentPrefill,
+    Prefill,
     PrefillReport,
+    Ready,
     ReusePolicy,
     RoundKV,
     Session,
@@ -63,16 +65,19 @@ class KVCollector(ReusePolicy):
         kv.truncate(request_id, common)
         return AgentPrefill(request_id, turn, common, recall=recall, recall_table=recall_id)
 
-    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+    def prefill(self, agents: list[AgentPrefill]) -> Prefill:
         try:
-            return self._prefill(agents)
+            return (yield from self._prefill(agents))
         finally:  # recalled segments not copied (e.g. a failed prefill) are freed now
             for agent in agents:
                 if agent.recall_table is not None:
                     self.round_kv.kv.free(agent.recall_table)
                     agent.recall_table, agent.recall = None, {}
 
-    def _prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+    def _prefill(self, agents: list[AgentPrefill]) -> Prefill:
+        """Masters first (their tables are complete once computed), then the check pass of the
+        others, then the others' recompute, whose agents are ready one by one: those with the
+        longest outputs to write first, so the round's last output comes early."""
         rk, report = self.round_kv, PrefillReport()
         started = time.perf_counter()
         for agent in agents:
@@ -87,7 +92,7 @@ class KVCollector(ReusePolicy):
                 span = agent.turn.spans[index]
                 agent.selected[index] = rk.selector.select(span.end - span.start, None)
             self._build_table(agent)
-        report.computed_tokens += rk.recompute(masters, private_positions)
+        report.computed_tokens += yield from rk.recompute(masters, private_positions)
         for agent in masters:
             rk.register_masters(agent)
         others = [a for a in agents if all(a is not m for m in masters)]
@@ -97,18 +102,23 @@ class KVCollector(ReusePolicy):
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
-        report.computed_tokens += self._select(others)
+        report.computed_tokens += yield from self._select(others)
         report.selection_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
-        for agent in others:
+        for agent in others:  # every table is built before any agent runs: a pool too small fails here
             self._build_table(agent)
-        report.computed_tokens += rk.recompute(others, private_positions)
+        if masters:
+            yield Ready(masters)
+        others.sort(key=lambda a: (-a.max_output_tokens, len(private_positions(a))))
+        report.computed_tokens += yield from rk.recompute(others, private_positions, releases=True)
         report.recompute_seconds = time.perf_counter() - started
         count_reuse(agents, report)
         return report
 
-    def _select(self, agents: list[AgentPrefill]) -> float:
+    def _select(self, agents: list[AgentPrefill]):
+        """Each agent's tokens to recompute (a generator: the check pass); returns its cost in
+        full-model token equivalents."""
         rk, selector = self.round_kv, self.round_kv.selector
         if not selector.needs_check_pass:
             for agent in agents:
@@ -118,7 +128,7 @@ class KVCollector(ReusePolicy):
             return 0.0
         with_spans = [a for a in agents if a.reused_spans]
         probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
-        fresh = rk.check_keys(probes)
+        fresh = yield from rk.check_keys(probes)
         chosen: dict[bytes, list[int]] = {}
         for agent, keys in zip(probes, fresh):
             for index in agent.reused_spans:

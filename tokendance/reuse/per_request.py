@@ -8,6 +8,7 @@ import time
 from tokendance.errors import CapacityError
 from tokendance.reuse.round_kv import (
     AgentPrefill,
+    Prefill,
     PrefillReport,
     ReusePolicy,
     RoundKV,
@@ -44,14 +45,14 @@ class PerRequestReuse(ReusePolicy):
         exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
         self.round_kv.kv.mark_irregular(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
 
-    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+    def prefill(self, agents: list[AgentPrefill]) -> Prefill:
         report = PrefillReport()
-        for agent in agents:
-            self._prefill_one(agent, report)
+        for agent in agents:  # each agent is ready once its own recompute ran
+            yield from self._prefill_one(agent, report)
         count_reuse(agents, report)
         return report
 
-    def _prefill_one(self, agent: AgentPrefill, report: PrefillReport) -> None:
+    def _prefill_one(self, agent: AgentPrefill, report: PrefillReport):
         """Spans seen before are reused; the first agent holding a span computes it in full and
         its KV becomes the span's base (as a KV store fills from the requests it serves)."""
         rk = self.round_kv
@@ -66,7 +67,7 @@ class PerRequestReuse(ReusePolicy):
         started = time.perf_counter()
         selector = rk.selector
         if selector.needs_check_pass and agent.reused_spans:
-            (keys,) = rk.check_keys([agent])
+            (keys,) = yield from rk.check_keys([agent])
             report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
         for index in agent.reused_spans:
             span = agent.turn.spans[index]
@@ -78,6 +79,6 @@ class PerRequestReuse(ReusePolicy):
         report.selection_seconds += time.perf_counter() - started
 
         started = time.perf_counter()
-        report.computed_tokens += rk.recompute([agent], private_positions)
-        rk.register_masters(agent)
+        rk.register_masters(agent)  # before it runs: its blocks are held for the agents after it
+        report.computed_tokens += yield from rk.recompute([agent], private_positions, releases=True)
         report.recompute_seconds += time.perf_counter() - started

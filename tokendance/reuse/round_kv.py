@@ -3,21 +3,27 @@
 
 A `ReusePolicy` (one per mode, chosen once) prepares each agent's table before the scheduler
 computes its last prompt token and decodes: `open_table` (the table starts from what the agent's
-session or the prefix cache holds), `prefill` (all agents of a round together), `finish` (after
-the prefill, before the scheduler takes the tables over). Policies are given the KV manager and
-the runner explicitly (through `RoundKV`); agent sessions are kept tables of the KV manager.
+session or the prefix cache holds), `prefill` (all agents of a round together), `finish` (once
+the agent's table is complete, before the scheduler takes it over). Policies are given the KV
+manager and the runner explicitly (through `RoundKV`); agent sessions are kept tables of the KV
+manager.
+
+A prefill runs no forward pass itself: it is a generator that yields the passes it needs
+(`Work`) and the agents whose tables are complete (`Ready`), and the engine runs the passes in its
+own steps, beside every other request's tokens (see `engine/rounds.py`). Reading fresh keys after
+a pass (the check pass) is plain code after the `yield`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
 
-from tokendance.batch import ScheduledRequest, SchedulerOutput
+from tokendance.batch import ScheduledRequest
 from tokendance.errors import CapacityError
-from tokendance.kv.manager import KVCacheManager, RecallKey, ScratchKey
+from tokendance.kv.manager import KVCacheManager, MasterKey, RecallKey, ScratchKey
 from tokendance.model.runner import ModelRunner
 from tokendance.reuse.segments import PromptSpan, TokenizedTurn
 from tokendance.reuse.selection import Selector
@@ -47,6 +53,7 @@ class AgentPrefill:
     # so a segment that moved (retrieved memories, a feed) is reused like a shared span.
     recall: dict[bytes, list[int]] = field(default_factory=dict)
     recall_table: RecallKey | None = None  # the table holding the recalled slots until they are copied
+    max_output_tokens: int = 0  # what the agent may write once ready (the prefill orders agents by it)
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,6 +82,25 @@ class AgentPrefill:
 
 
 @dataclass
+class Work:
+    """Forward passes a prefill needs before it goes on: `items` through the first `num_layers`
+    layers (all when None), no sampling. The engine may cut them into groups and run them over
+    several steps. `releases`: each item computes the rest of one agent's table (its `request_id`
+    is the table id), which is complete once the item has run."""
+
+    items: list[ScheduledRequest]
+    num_layers: int | None = None
+    releases: bool = False
+
+
+@dataclass
+class Ready:
+    """Agents whose tables are complete: nothing of theirs is left to compute."""
+
+    agents: list["AgentPrefill"]
+
+
+@dataclass
 class PrefillReport:
     """Seconds per phase and tokens computed (in full-model token equivalents)."""
 
@@ -86,26 +112,24 @@ class PrefillReport:
     reused_tokens: int = 0  # tokens of reused spans served from shared KV
 
 
+Prefill = Generator[Work | Ready, None, PrefillReport]  # what a policy's `prefill` is
+
+
 class RoundKV:
     """KV operations of a round prefill on one engine's KV manager and runner, and the round's
-    master registry."""
+    master registry. Invariant: every master's slots are held by the `MasterKey` table until the
+    round's prefill ends, whatever becomes of the agent that computed them (it may decode, be
+    preempted or finish meanwhile)."""
 
-    def __init__(self, kv: KVCacheManager, runner: ModelRunner, selector: Selector, check_layer: int,
-                 max_batch_tokens: int):
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner, selector: Selector, check_layer: int):
         self.kv = kv
         self.runner = runner
         self.selector = selector
         self.check_layer = check_layer
-        self.max_batch_tokens = max_batch_tokens
         self.num_layers = len(runner.model.layers)
-        # Called between the forward groups of a prefill (set by the round runner while requests
-        # outside the round share the engine): runs their next step; True while they still run,
-        # and then groups are cut to `interleave_tokens` so their tokens keep coming.
-        self.pause: Callable[[], bool] | None = None
-        self.interleave_tokens = max(1, max_batch_tokens // 8)
-        # span key -> (table id, first token, length) of its master: the span as the first agent
-        # holding it computed it, in that agent's own context (see KVCollector)
-        self.masters: dict[bytes, tuple[str, int, int]] = {}
+        # span key -> slots of its master: the span as the first agent holding it computed it, in
+        # that agent's own context (see KVCollector)
+        self.masters: dict[bytes, list[int]] = {}
 
     # ------------------------------------------------------------ allocation
 
@@ -120,6 +144,7 @@ class RoundKV:
         """Forget this round's masters (their blocks live on while any table references them) and
         free what is left of recalled segments."""
         self.masters.clear()
+        self.kv.free(MasterKey())
         for table_id in list(self.kv.find_kept(RecallKey)):
             self.kv.free(table_id)
 
@@ -128,7 +153,11 @@ class RoundKV:
         for index in agent.spans_to_reuse():
             span = agent.turn.spans[index]
             if span.key is not None and span.key not in self.masters:
-                self.masters[span.key] = (agent.table_id, span.start, span.end - span.start)
+                slots = self.kv.get_slots(agent.table_id)[span.start:span.end]
+                if not self.kv.has(MasterKey()):
+                    self.kv.create_table(MasterKey())
+                self.kv.append_shared_slots(MasterKey(), slots)
+                self.masters[span.key] = slots
 
     def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
         """Base KV of a reused span: the round's master if shared, else the agent's recall."""
@@ -137,32 +166,12 @@ class RoundKV:
             return self.master_slots(span.key)
         return agent.recall[span.content]
 
-    # ------------------------------------------------------------ forward passes
-
-    def run(self, items: list[ScheduledRequest], num_layers: int | None = None) -> None:
-        """Forward `items` in groups of about `max_batch_tokens` new tokens (`interleave_tokens`
-        while other requests run, with their steps in between)."""
-        group: list[ScheduledRequest] = []
-        tokens, limit = 0, self._pause()
-        for item in items:
-            if group and tokens + len(item.token_ids) > limit:
-                self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
-                group, tokens, limit = [], 0, self._pause()
-            group.append(item)
-            tokens += len(item.token_ids)
-        if group:
-            self.runner.compute_kv(SchedulerOutput(scheduled=group), num_layers)
-
-    def _pause(self) -> int:
-        """Let other requests take a step; the token limit of the next group."""
-        busy = self.pause is not None and self.pause()
-        return self.interleave_tokens if busy else self.max_batch_tokens
+    # ------------------------------------------------------------ forward passes (generators)
 
     def master_slots(self, key: bytes) -> list[int]:
-        table_id, start, length = self.masters[key]
-        return self.kv.get_slots(table_id)[start:start + length]
+        return self.masters[key]
 
-    def check_keys(self, agents: list[AgentPrefill]) -> list[torch.Tensor]:
+    def check_keys(self, agents: list[AgentPrefill]) -> Generator[Work, None, list[torch.Tensor]]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
         its real context through the first check_layer+1 layers, in scratch slots."""
         scratch = []
@@ -177,7 +186,8 @@ class RoundKV:
                 self.private_slots(table_id, len(new))
                 slots = self.kv.get_slots(table_id)
                 items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
-            self.run(items, num_layers=self.check_layer + 1)
+            if items:
+                yield Work(items, num_layers=self.check_layer + 1)
             return [
                 self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
                 for item in items
@@ -190,17 +200,24 @@ class RoundKV:
         cached = self.runner.read_keys(self.check_layer, slots, list(positions))
         return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
 
-    def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]]) -> int:
-        """Compute the given positions of each agent through all layers over its fused table."""
-        items = []
+    def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]],
+                  releases: bool = False) -> Generator[Work | Ready, None, int]:
+        """Compute the given positions of each agent through all layers over its fused table, in
+        the agents' order. `releases`: this completes their tables (agents with nothing to
+        compute are ready at once). Returns the number of tokens computed."""
+        items, idle = [], []
         for agent in agents:
             positions = positions_of(agent)
             if not positions:
+                idle.append(agent)
                 continue
             slots = self.kv.get_slots(agent.table_id)[: positions[-1] + 1]
             token_ids = [agent.token_ids[p] for p in positions]
             items.append(ScheduledRequest(agent.table_id, token_ids, positions, slots, False, None))
-        self.run(items)
+        if releases and idle:
+            yield Ready(idle)
+        if items:
+            yield Work(items, releases=releases)
         return sum(len(i.token_ids) for i in items)
 
 
@@ -239,7 +256,10 @@ class ReusePolicy:
         """Create the table `request_id` holding what is reusable as a prefix; nothing computed."""
         raise NotImplementedError
 
-    def prefill(self, agents: list[AgentPrefill]) -> PrefillReport:
+    def prefill(self, agents: list[AgentPrefill]) -> Prefill:
+        """Prepare every agent's table for [0, L-1): a generator of `Work` and `Ready` (every
+        agent is eventually ready, through a `Ready` or a releasing `Work`); returns the report."""
+        yield Ready(agents)
         return PrefillReport()
 
     def finish(self, agent: AgentPrefill) -> None:

@@ -73,18 +73,62 @@ def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
 
 def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[list[int]]:
     """Token ids of each message as the chat template renders it, one segment per line of its
-    content, plus the generation prompt. Falls back to one segment if the template is not
-    prefix-stable."""
-    rendered = [""]
-    for end in range(1, len(messages) + 1):
-        rendered.append(tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False))
+    content, plus the generation prompt. Linear in the conversation's size (the template is
+    rendered twice, whatever the number of messages); falls back to one segment if the template
+    does not render messages one after the other."""
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    rendered.append(full)
-    if any(not b.startswith(a) for a, b in zip(rendered, rendered[1:])):
+    pieces = _message_pieces(tokenizer, messages, full)
+    if pieces is None:
         return [tokenizer.encode(full)]
-    pieces = [b[len(a):] for a, b in zip(rendered, rendered[1:])]
     contents = [m["content"] for m in messages] + [""]
     return [tokenizer.encode(line) for piece, content in zip(pieces, contents) for line in split_lines(piece, content)]
+
+
+def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[int]:
+    """A chat's prompt: its segments' ids in a row. The one translation of messages to ids, for
+    the offline API and the server alike (a message has the same ids wherever it sits)."""
+    validate_messages(messages)
+    return [t for segment in chat_segments(tokenizer, messages) for t in segment]
+
+
+def _sentinel(index: int) -> str:
+    return f"\x00\x01td{index}\x01\x00"
+
+
+def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: str) -> list[str] | None:
+    """The rendering of each message (header, content, trailer) and the generation prompt, such
+    that they concatenate to `full`; None if the template does not allow that cut.
+
+    The messages are rendered once with sentinels for their contents: the text between two
+    sentinels is one message's trailer followed by the next one's header; the trailer is what the
+    template puts after a lone message of that role."""
+    marked = [{**m, "content": _sentinel(i)} for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True)
+    between, position = [], 0
+    for i in range(len(messages)):
+        found = rendered.find(_sentinel(i), position)
+        if found < 0:
+            return None
+        between.append(rendered[position:found])
+        position = found + len(_sentinel(i))
+    between.append(rendered[position:])
+    trailers: dict[str, str | None] = {}
+    pieces, carried = [], between[0]
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in trailers:
+            alone = tokenizer.apply_chat_template([{**message, "content": _sentinel(0)}], add_generation_prompt=False)
+            end = alone.find(_sentinel(0))
+            trailers[role] = None if end < 0 else alone[end + len(_sentinel(0)):]
+        trailer = trailers[role]
+        if trailer is None or not between[i + 1].startswith(trailer):
+            return None
+        pieces.append(carried + message["content"] + trailer)
+        carried = between[i + 1][len(trailer):]
+    pieces.append(carried)
+    if "".join(pieces) != full:  # the template changed a content (trimmed it, say): no cut
+        return None
+    return pieces
 
 
 def split_lines(piece: str, content: str) -> list[str]:

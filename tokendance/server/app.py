@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from tokendance.errors import TokenDanceError
 from tokendance.model.platform import describe_machine
 from tokendance.outputs import RequestOutput
-from tokendance.reuse.segments import chat_segments
+from tokendance.reuse.segments import chat_token_ids
 from tokendance.server.config import ServerConfig
 from tokendance.server.engine_loop import (
     EngineLoop,
@@ -201,7 +201,11 @@ class Api:
         sink = Sink(key, len(agent_ids), wants_stats=True)
         turns = []
         for i, agent in enumerate(body.agents):
-            agent.check_supported()
+            try:
+                agent.check_supported()
+            except ApiError as exc:
+                exc.param = f"agents.{i}.{exc.param}"
+                raise
             messages = [m.as_dict(j) for j, m in enumerate(agent.messages)]
             structured, structured_param = agent.structured_output()
             if structured is None:
@@ -247,8 +251,8 @@ class Api:
     def _chat_request(self, messages, params, request_id: str, namespace: str, group: str | None = None):
         """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
         joins a round or not, and a shared message the same ids wherever it sits."""
-        self.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-        token_ids = [t for segment in chat_segments(self.engine.tokenizer, messages) for t in segment]
+        self.engine.check_chat_size(messages)
+        token_ids = chat_token_ids(self.engine.tokenizer, messages)
         if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
             room = min(self.engine.max_model_len, self.engine.num_kv_tokens) - len(token_ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))

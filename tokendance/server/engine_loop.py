@@ -1,12 +1,11 @@
-"""The engine thread: the one thread that adds, steps and aborts requests and runs rounds.
+"""The engine thread: the one thread that adds, steps and aborts requests and submits rounds.
 
 HTTP handlers never touch the engine's state: they validate a request (`make_request` is free of
 side effects), put a job on the inbox and await a `Sink`, which the engine thread fills through
-the event loop's `call_soon_threadsafe`. While a round runs (`RoundRunner.run` steps the engine
-itself), the thread keeps serving the inbox and starting ordinary requests from the round's hooks
-(between its prefill's forward groups, and after each step), so ordinary requests are added,
-advanced and aborted as usual; an agent of the round whose client left is aborted alone, and a
-round whose clients all left stops. Only the next round waits for this one to end.
+the event loop's `call_soon_threadsafe`. The thread's loop is the engine's only driver: it takes
+new jobs and aborts, starts gathered turns, submits formed rounds (the engine prepares and runs
+them in its steps, beside every other request) and steps the engine. An agent of a round whose
+client left is aborted alone, and a round whose clients all left stops.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -89,17 +89,18 @@ class EngineLoop:
     """Invariants: only the engine thread changes the engine; every submitted request's sink gets
     all its outputs or an error; an aborted request's KV is freed before the next step."""
 
-    def __init__(self, llm, gatherer: RoundGatherer, metrics: Metrics):
+    def __init__(self, llm, gatherer: RoundGatherer, metrics: Metrics, exit_on_failure: bool = True):
         self.llm = llm
+        self.exit_on_failure = exit_on_failure
         self.engine = llm.engine
         self.gatherer = gatherer
         self.metrics = metrics
         self.error: BaseException | None = None  # why the thread died, if it did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, Route] = {}  # engine request id -> route (ordinary requests)
-        self._agents: dict[str, Route] = {}  # engine agent id -> route, while its round runs
+        self._routes: dict[str, Route] = {}  # engine request id -> route (rounds' agents too)
+        self._round_agents: dict[str, tuple[Any, str]] = {}  # a round agent's request id -> (its round, agent id)
+        self._rounds: dict[Any, tuple[list[ChatTurn], list[str]]] = {}  # submitted rounds -> (turns, agent ids)
         self._followers: dict[str, list[tuple[Any, Route]]] = {}  # leader request id -> choices held back
-        self._rounds: list[list[ChatTurn]] = []  # rounds ready to run (formed while another ran)
         self._anonymous = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokendance-engine", daemon=True)
@@ -142,24 +143,27 @@ class EngineLoop:
             while not self._stopping:
                 self._drain_inbox(block=not self.engine.has_unfinished)
                 self._start_ready()
-                while self._rounds:
-                    self._run_round(self._rounds.pop(0))
                 if self.engine.has_unfinished:
                     self._step()
+                self._end_rounds()
                 self._publish()
-        except BaseException as exc:  # a bug: say so to every waiting client, then die loudly
+        except BaseException as exc:  # a bug outside any one request: nobody can be served any more
             self.error = exc
             log.exception("the engine thread died")
             for route in self._routes.values():
-                route.sink.fail(ApiError(500, f"engine failure: {exc}", type="server_error"))
+                route.sink.fail(ApiError(500, "engine failure", type="server_error"))
+            if self.exit_on_failure:  # a server that answers 503 forever helps nobody: let a supervisor restart it
+                time.sleep(0.5)  # the failures above reach their clients
+                os._exit(70)
             raise
 
     def _start_ready(self) -> None:
-        """Gathered turns whose wait is over: ordinary ones start now, rounds queue to run."""
+        """Gathered turns whose wait is over: ordinary ones start now, rounds are submitted."""
         work = self.gatherer.pop_ready(time.monotonic())
         for turn in work.ordinary:
             self._add(turn.request, Route(turn.sink, turn.index))
-        self._rounds.extend(work.rounds)
+        for turns in work.rounds:
+            self._submit_round(turns)
 
     def _drain_inbox(self, block: bool) -> None:
         timeout = None
@@ -175,19 +179,22 @@ class EngineLoop:
             pass
 
     def _handle(self, job) -> None:
+        """One job; whatever goes wrong with it fails its request alone."""
+        try:
+            self._handle_job(job)
+        except Exception:
+            log.exception("a request failed on the engine thread")
+            sink = getattr(job, "sink", None) or getattr(getattr(job, "turn", None), "sink", None)
+            sinks = [sink] if sink is not None else [t.sink for t in getattr(job, "turns", ())]
+            for sink in sinks:
+                self._abort(sink)  # nothing of it stays in the engine
+                sink.fail(ApiError(500, "the engine failed on this request", type="server_error"))
+
+    def _handle_job(self, job) -> None:
         if job is _STOP:
             self._stopping = True
         elif isinstance(job, GenerateJob):
-            leader = None
-            for index, request in enumerate(job.requests):
-                route = Route(job.sink, index)
-                if job.share_prompt and leader is not None and leader.prompt_token_ids == request.prompt_token_ids:
-                    self._followers[leader.request_id].append((request, route))
-                    continue
-                leader = request
-                if job.share_prompt:
-                    self._followers[request.request_id] = []
-                self._add(request, route)
+            self._add_generate(job)
         elif isinstance(job, TurnJob):
             try:
                 self.gatherer.add(job.turn)
@@ -214,17 +221,34 @@ class EngineLoop:
         else:
             job.loop.call_soon_threadsafe(resolve, value)
 
-    def _add(self, request, route: Route) -> None:
+    def _add_generate(self, job: GenerateJob) -> None:
+        """Every choice starts now, except the n-1 sibling choices of a shared prompt: they wait
+        (as followers) until the first has computed the prompt, then find it in the prefix cache."""
+        leader, leader_added = None, False
+        for index, request in enumerate(job.requests):
+            route = Route(job.sink, index)
+            if job.share_prompt and leader is not None and leader.prompt_token_ids == request.prompt_token_ids:
+                if leader_added:
+                    self._followers[leader.request_id].append((request, route))
+                else:  # the leader never started (its client left, or it was refused): no wait
+                    self._add(request, route)
+                continue
+            leader = request
+            leader_added = self._add(request, route)
+            if job.share_prompt and leader_added:
+                self._followers[request.request_id] = []
+
+    def _add(self, request, route: Route) -> bool:
+        """Start one request; False if it did not (its client left, or the engine refused it)."""
         if route.sink.closed:
-            self._followers.pop(request.request_id, None)
-            return
+            return False
         try:
             self.engine.add(request)
         except InvalidRequestError as exc:
             route.sink.fail(ApiError.from_engine(exc))
-            self._followers.pop(request.request_id, None)
-            return
+            return False
         self._routes[request.request_id] = route
+        return True
 
     def _release_followers(self, leader_id: str) -> None:
         for request, route in self._followers.pop(leader_id, ()):
@@ -235,12 +259,12 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:  # a bug in a step: fail what runs, keep serving
             log.exception("engine step failed")
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-                self._followers.pop(request_id, None)
-                route = self._routes.pop(request_id, None)
-                if route is not None:
-                    route.sink.fail(ApiError(500, f"engine failure: {exc}", type="server_error"))
+            self.engine.abort_all(exc)
+            for request_id, route in list(self._routes.items()):
+                if request_id not in self._round_agents:  # (rounds fail in _end_rounds)
+                    del self._routes[request_id]
+                    route.sink.fail(ApiError(500, "engine failure", type="server_error"))
+            self._followers.clear()
             return
         for output in outputs:
             self._deliver(output)
@@ -248,19 +272,16 @@ class EngineLoop:
     def _deliver(self, output: RequestOutput) -> None:
         if output.request_id in self._followers:  # its prompt is computed: its sibling choices start
             self._release_followers(output.request_id)
-        routes, key = self._routes, output.request_id
-        if key not in routes and output.agent_id is not None:  # an agent's turn in a round
-            routes, key = self._agents, output.agent_id
-        route = routes.get(key)
+        route = self._routes.get(output.request_id)
         if route is None:
             return
         route.started = True
         if output.finished:
-            del routes[key]
+            del self._routes[output.request_id]
             self.metrics.record_finished(output)
-        if output.finish_reason == "error":  # its computation raised: this request alone fails
+        if output.finish_reason == "error" and not route.sink.wants_stats:  # its computation raised: it alone fails
             route.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
-            return
+            return  # (an agent of a /v1/rounds request: its entry of the round's answer carries the error)
         route.sink.put(route.index, output, route.round_info)
 
     def _abort(self, sink: Sink) -> None:
@@ -268,10 +289,11 @@ class EngineLoop:
         for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
             del self._routes[request_id]
             self._followers.pop(request_id, None)
-            self._aborted(self.engine.abort_request(request_id))
-        for agent_id in [a for a, route in self._agents.items() if route.sink is sink]:
-            del self._agents[agent_id]  # the round goes on without it (a later wave runs it unheard)
-            self._aborted(self.llm.rounds.abort(agent_id))
+            if request_id in self._round_agents:  # the round goes on without it
+                job, agent_id = self._round_agents[request_id]
+                self._aborted(self.llm.rounds.abort(agent_id, job))
+            else:
+                self._aborted(self.engine.abort_request(request_id))
 
     def _aborted(self, output: RequestOutput | None) -> None:
         if output is not None:
@@ -279,58 +301,60 @@ class EngineLoop:
 
     # ------------------------------------------------------------ rounds
 
-    def _run_round(self, turns: list[ChatTurn]) -> None:
+    def _submit_round(self, turns: list[ChatTurn]) -> None:
+        """Hand a formed round to the engine; its agents' outputs come through the steps."""
         turns = [t for t in turns if not t.sink.closed]
         if not turns:
             return
-        index = self.llm.rounds.round_index
         agent_ids = [
             f"anon:{next(self._anonymous)}" if t.agent_id is None else engine_agent_id(t.namespace, t.agent_id)
             for t in turns
         ]
-        for agent_id, turn in zip(agent_ids, turns):
-            info = {"index": index, "agent_id": turn.agent_id, "num_agents": len(turns)}
-            self._agents[agent_id] = Route(turn.sink, turn.index, info)
         agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]
         try:
-            result = self.llm.rounds.run(agent_turns, [t.params for t in turns], on_output=self._on_round_output,
-                                         poll=self._poll)
-        except RoundAborted:
-            self.metrics.inc("tokendance_rounds_aborted_total")
-            return
+            job = self.llm.rounds.submit(agent_turns, [t.params for t in turns])
         except Exception as exc:
-            self._round_failed(turns, agent_ids, exc)
+            self._round_failed(turns, [None] * len(turns), exc)
             return
-        finally:
-            self._agents = {}
+        for agent_id, turn in zip(agent_ids, turns):
+            request_id = job.request_id_of(agent_id)
+            info = {"index": job.index, "agent_id": turn.agent_id, "num_agents": len(turns)}
+            self._routes[request_id] = Route(turn.sink, turn.index, info)
+            self._round_agents[request_id] = (job, agent_id)
+        self._rounds[job] = (turns, agent_ids)
+
+    def _end_rounds(self) -> None:
+        """Rounds the engine is done with: their statistics, or their failure."""
+        for job in [j for j in self._rounds if j.done]:
+            turns, agent_ids = self._rounds.pop(job)
+            for request_id in job.request_ids:
+                self._round_agents.pop(request_id, None)
             for agent_id in agent_ids:
                 if agent_id.startswith("anon:"):  # nobody can name it again: free its session
                     self.llm.end_agent(agent_id)
-        self.metrics.record_round(result.stats, _source(turns))
-        for sink in {id(t.sink): t.sink for t in turns if t.sink.wants_stats}.values():
-            sink.put_stats(result.stats)
+            try:
+                result = self.llm.rounds.collect(job)
+            except RoundAborted:
+                self.metrics.inc("tokendance_rounds_aborted_total")
+                continue
+            except Exception as exc:
+                self._round_failed(turns, [job.request_id_of(a) for a in agent_ids], exc)
+                continue
+            self.metrics.record_round(result.stats, _source(turns))
+            for sink in {id(t.sink): t.sink for t in turns if t.sink.wants_stats}.values():
+                sink.put_stats(result.stats)
 
-    def _on_round_output(self, output: RequestOutput) -> None:
-        self._deliver(output)
-        self._poll()
-
-    def _poll(self) -> None:
-        """While a round runs: new jobs and aborts are taken, ordinary requests start."""
-        self._drain_inbox(block=False)
-        self._start_ready()
-        self._publish()
-
-    def _round_failed(self, turns: list[ChatTurn], agent_ids: list[str], exc: Exception) -> None:
+    def _round_failed(self, turns: list[ChatTurn], request_ids: list[str | None], exc: BaseException) -> None:
         """Turns that had no output yet are served alone (a transparent round is an optimisation,
         not a contract); the others, and whole /v1/rounds requests, get the error."""
         self.metrics.inc("tokendance_rounds_failed_total")
         if isinstance(exc, TokenDanceError):
             error = ApiError.from_engine(exc, param="messages")
         else:
-            log.exception("round failed", exc_info=exc)
-            error = ApiError(500, f"round failed: {exc}", type="server_error")
-        for agent_id, turn in zip(agent_ids, turns):
-            route = self._agents.pop(agent_id, None)
+            log.error("round failed: %s", exc)
+            error = ApiError(500, "the round failed in the engine", type="server_error")
+        for request_id, turn in zip(request_ids, turns):
+            route = self._routes.pop(request_id, None) if request_id else Route(turn.sink, turn.index)
             if route is None:
                 continue  # it finished before the failure
             if isinstance(exc, TokenDanceError) and not route.started and not turn.sink.wants_stats:

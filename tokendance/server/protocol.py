@@ -200,7 +200,11 @@ class ChatMessage(BaseModel):
                 raise ApiError(400, "only text content parts are supported", param=f"messages.{index}.content")
             content = "".join(p["text"] for p in content)
         if self.role == "assistant" and self.tool_calls:
-            content = (content or "") + render_tool_calls(self.tool_calls)
+            try:
+                content = (content or "") + render_tool_calls(self.tool_calls, f"messages.{index}.tool_calls")
+            except (ToolError, ValueError) as exc:
+                raise ApiError(400, str(exc), param=getattr(exc, "param", f"messages.{index}.tool_calls"),
+                               code="invalid_value") from None
         if content is None:
             raise ApiError(400, f"messages[{index}].content is required", param=f"messages.{index}.content")
         check_text(content, f"messages.{index}.content")
@@ -263,6 +267,20 @@ class RoundAgent(SamplingFields):
     agent_id: StrictStr = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        reject_round_fields(self.model_extra)
+
+
+def reject_round_fields(extra: dict | None) -> None:
+    """Chat fields a round does not serve (it never ignores them silently)."""
+    for name in ("tools", "tool_choice", "stream", "logprobs", "top_logprobs"):
+        if (extra or {}).get(name):
+            hint = (" stream each agent's chat request instead (with round_id and round_size)" if name == "stream"
+                    else " send the agent's turn as a chat request with round_id and round_size")
+            raise ApiError(400, f"/v1/rounds does not support {name};{hint}", param=name,
+                           code="unsupported_parameter")
+
 
 class RoundRequest(SamplingFields):
     model: str
@@ -273,9 +291,7 @@ class RoundRequest(SamplingFields):
         super().check_supported()
         if self.n != 1 or any(a.n != 1 for a in self.agents):
             raise ApiError(400, "n must be 1 in a round (one turn per agent)", param="n", code="unsupported_parameter")
-        if (self.model_extra or {}).get("stream"):
-            raise ApiError(400, "/v1/rounds does not stream; stream each agent's chat request instead "
-                           "(with round_id and round_size)", param="stream", code="unsupported_parameter")
+        reject_round_fields(self.model_extra)
 
 
 # ---------------------------------------------------------------- responses
@@ -367,6 +383,17 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
     }
 
 
+def round_output(agent_id: str, output: RequestOutput) -> dict:
+    """One agent's entry of a round's answer; an agent whose computation failed carries its error
+    (finish_reason "error") while the others carry their replies."""
+    entry = {"agent_id": agent_id, "message": {"role": "assistant", "content": output.text},
+             "finish_reason": output.finish_reason, "usage": usage([output])}
+    if output.finish_reason == "error":
+        entry["error"] = {"message": f"the engine failed on this agent ({output.error})", "type": "server_error",
+                          "param": None, "code": "agent_failed"}
+    return entry
+
+
 def round_response(request_id: str, model: str, agent_ids: list[str], outputs: list[RequestOutput],
                    round_info: dict, stats) -> dict:
     return {
@@ -375,11 +402,7 @@ def round_response(request_id: str, model: str, agent_ids: list[str], outputs: l
         "created": int(time.time()),
         "model": model,
         "round": round_info,
-        "outputs": [
-            {"agent_id": a, "message": {"role": "assistant", "content": o.text},
-             "finish_reason": o.finish_reason, "usage": usage([o])}
-            for a, o in zip(agent_ids, outputs)
-        ],
+        "outputs": [round_output(a, o) for a, o in zip(agent_ids, outputs)],
         "usage": usage(outputs),
         "stats": {
             "mode": stats.mode,

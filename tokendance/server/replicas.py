@@ -289,8 +289,9 @@ def run_replicas(args, llm_args: dict, server_config) -> int:
     llm_args = {**llm_args, "num_threads": threads}
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
-    else:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING,
+    else:  # a Ray instance of its own: never whatever cluster RAY_ADDRESS or Ray's address file names
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                  num_cpus=max(os.cpu_count() or 1, args.replicas * threads))
     serve.start(http_options={"host": args.host, "port": args.port})
     engine = EngineReplica.options(num_replicas=args.replicas,

@@ -72,10 +72,16 @@ class Tools:
         names = [f["name"] for f in functions]
         if len(set(names)) != len(names):
             raise ToolError("tool names must be distinct", "tools")
+        try:
+            json.dumps(functions, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError):
+            raise ToolError("tools must be valid JSON in valid Unicode (no NaN, Infinity or lone surrogates)",
+                            "tools") from None
         choice = tool_choice or "auto"
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-            if name not in names:
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or name not in names:
                 raise ToolError("tool_choice names no tool of this request", "tool_choice")
             choice = name
         return cls(functions, choice)
@@ -111,10 +117,14 @@ def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:
     return ([tools.system_message()] if tools else []) + messages
 
 
-def render_tool_calls(tool_calls: list[dict]) -> str:
+def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls") -> str:
+    """An assistant message's earlier calls in the call format; ToolError if one is malformed."""
     parts = []
-    for call in tool_calls:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
+    for i, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolError(f'{param}[{i}] must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                            f"{param}.{i}")
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
