@@ -55,6 +55,25 @@ def test_decodes_go_first_and_prefills_share_what_is_left():
     assert step(scheduler, requests) == [("a", 1, True), ("b", 5, True)]
 
 
+def test_a_long_prefill_leaves_room_for_requests_that_wait():
+    """Beside other requests, a running prefill takes a quarter of the budget per step: a waiting
+    request is admitted, and a running one decodes, in the same step instead of after the whole
+    long prompt."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=16, max_num_seqs=4)
+    long, short = request("long", 100), request("short", 3, start=300)
+    requests = {"long": long, "short": short}
+    scheduler.add(long)
+    assert step(scheduler, requests) == [("long", 16, False)]  # alone: the whole budget
+    scheduler.add(short)
+    assert step(scheduler, requests) == [("long", 4, False), ("short", 3, True)]
+    assert step(scheduler, requests) == [("long", 4, False), ("short", 1, True)]
+    for _ in range(2):
+        step(scheduler, requests)
+    assert short.status is RequestStatus.FINISHED
+    assert step(scheduler, requests) == [("long", 16, False)]  # alone again: the whole budget
+
+
 def test_the_newest_running_request_is_preempted_and_recomputed():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)

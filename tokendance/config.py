@@ -43,7 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Tokens of a round's KV preparation per step while requests decode beside it (all of the
     # step's budget when nothing decodes): smaller groups give the decoding requests more steps.
-    round_group_tokens: int = 512
+    round_group_tokens: int = 256
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None

@@ -9,14 +9,14 @@ MB = 2**20
 
 
 def format_rounds(rows: list[dict]) -> str:
-    head = (f"{'N':>4} {'rd':>2} {'mode':<11}{'round s':>8}{'TTFT s':>8}{'decode s':>9}{'rd MB/step':>11}"
+    head = (f"{'N':>4} {'rd':>2} {'mode':<11}{'round s':>8}{'1st tok':>8}{'TTFT s':>8}{'decode s':>9}{'rd MB/step':>11}"
             f"{'computed':>9}{'in prompts':>11}{'KV MB/agent':>12}{'compr':>6}{'shared x':>9}{'top1':>6}{'KL':>7}{'same':>6}{'trace':>6}{'div tie/conf':>13}")
     lines = [head]
     for r in rows:
         f, t = r.get("fidelity") or {}, r.get("trace") or {}
         lines.append(
-            f"{r['agents']:>4} {r['round']:>2} {r['mode']:<11}{r['round_seconds']:>8.2f}{r['prefill_seconds']:>8.2f}"
-            f"{r['decode_seconds']:>9.2f}{r.get('decode_kv_mb_per_step', 0):>11.1f}"
+            f"{r['agents']:>4} {r['round']:>2} {r['mode']:<11}{r['round_seconds']:>8.2f}"
+            f"{r.get('first_token_seconds', 0):>8.2f}{r['prefill_seconds']:>8.2f}{r['decode_seconds']:>9.2f}{r.get('decode_kv_mb_per_step', 0):>11.1f}"
             f"{r['computed_tokens']:>9.0f}{r['prompt_tokens']:>11}{r['kv_bytes_per_agent'] / MB:>12.2f}{r['compression']:>6.2f}{r['shared_compression']:>9.2f}"
             f"{_num(f.get('top1_agreement'), 6, 2)}{_num(f.get('mean_kl'), 7, 3)}{_num(f.get('identical_fraction'), 6, 2)}"
             f"{_num(t.get('identical_outputs'), 6, 2)}{_divergences(f):>13}")

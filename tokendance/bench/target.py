@@ -126,6 +126,7 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
     return {
         "workload": workload.name, "agents": len(turns), "round": round_index + 1, "loop": args.loop,
         "round_seconds": max(x.finished for x in replies) - started,
+        "first_token_seconds": min(x.first_token for x in replies) - started,
         "prefill_seconds": max(x.first_token for x in replies) - started,
         "prompt_tokens": sum(x.prompt_tokens for x in replies),
         "cached_tokens": sum(x.cached_tokens for x in replies),
@@ -136,9 +137,10 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
 
 def format_target(rows: list[dict], client: Client) -> str:
     lines = [f"{client.base_url} ({client.model})",
-             f"{'N':>4} {'rd':>2}{'round s':>9}{'TTFT s':>8}{'prompt tok':>11}{'cached':>8}{'out tok':>8}  replicas"]
+             f"{'N':>4} {'rd':>2}{'round s':>9}{'1st tok':>8}{'TTFT s':>8}{'tail s':>7}{'prompt tok':>11}{'cached':>8}{'out tok':>8}  replicas"]
     for r in rows:
-        lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['prefill_seconds']:>8.2f}"
+        lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['first_token_seconds']:>8.2f}"
+                     f"{r['prefill_seconds']:>8.2f}{r['round_seconds'] - r['prefill_seconds']:>7.2f}"
                      f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}  "
                      f"{','.join(name[-6:] for name in r.get('replicas', [])) or '-'}")
     return "\n".join(lines)

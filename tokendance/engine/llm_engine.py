@@ -72,6 +72,7 @@ class KVJob(Protocol):
     has_work: bool
     request_ids: list[str]
 
+    def advance(self) -> None: ...
     def next_group(self, budget: int) -> KVGroup | None: ...
     def group_ran(self, group: KVGroup) -> None: ...
     def take_ready(self) -> list[Request]: ...
@@ -259,6 +260,9 @@ class LLMEngine:
         the current job's preparation, in one forward. Returns an output for every request that
         got a token (finished or not)."""
         job = self.jobs[0] if self.jobs else None
+        if job is not None:  # agents whose tables became ready since the last step run in this one
+            self._job_call(job, job.advance)
+            self._add_ready(job)
         budget = self.config.max_num_batched_tokens
         # a preparing job keeps half the budget from long prefills; decodes still all run
         out = self.scheduler.schedule(budget - budget // 2 if job is not None and job.has_work else budget,
@@ -338,8 +342,7 @@ class LLMEngine:
         whose KV it prepared. A failed job's requests are aborted (the caller sees `job.error`)."""
         if group is not None and job.error is None:
             self._job_call(job, job.group_ran, group)
-        for request in (self._job_call(job, job.take_ready) or []) if job.error is None else []:
-            self.add(request)
+        self._add_ready(job)
         if job.error is None:
             self._job_call(job, job.observe, outputs)
         if job.error is not None:
@@ -350,6 +353,10 @@ class LLMEngine:
         if job.done:
             self.jobs.remove(job)
         return outputs
+
+    def _add_ready(self, job: KVJob) -> None:
+        for request in (self._job_call(job, job.take_ready) or []) if job.error is None else []:
+            self.add(request)
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput, failed: list) -> list[RequestOutput]:
         """The step's results re-enter the engine: tokens, stops, finished requests."""

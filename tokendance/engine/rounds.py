@@ -128,6 +128,11 @@ class RoundJob:
         index = self._by_agent.get(agent_id)
         return None if index is None else self.requests[index].request_id
 
+    def advance(self) -> None:
+        """Resume the preparation until it has passes to run (agents whose tables complete on
+        the way are ready: `take_ready`)."""
+        self._advance()
+
     def next_group(self, budget: int) -> KVGroup | None:
         """Up to `budget` tokens of the preparation's next passes (None: none to run now)."""
         self._advance()

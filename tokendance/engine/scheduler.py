@@ -46,10 +46,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens if budget is None else budget
         preemptions_before = self.num_preemptions
+        # A long prefill with requests after it (running or waiting) takes a quarter of the budget
+        # per step, so they decode and are admitted beside it instead of after it (a chat behind
+        # a 7,900-token prompt); the last one takes what is left.
+        chunk = max(1, self.max_num_batched_tokens // 4)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.waiting or index < len(self.running) - 1:
+                num_new = min(num_new, chunk)
             copies = self._allocate_or_preempt(request, num_new)
             if copies is None:  # the request itself was preempted
                 break
