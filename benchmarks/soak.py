@@ -130,9 +130,12 @@ def main() -> int:
                 break
             time.sleep(0.5)
         sessions = server.gauge("tokendance_agent_sessions")
-        for i, (kind, _, body, _) in enumerate(plan):  # the declared agents' sessions are kept: end them
+        for kind, _, body, _ in plan:  # agents of rounds keep their sessions: end them
             if kind == "declared":
                 server.request("DELETE", f"/v1/agents/{body['agent_id']}", timeout=30)
+            elif kind == "rounds":
+                for a in body["agents"]:
+                    server.request("DELETE", f"/v1/agents/{a['agent_id']}?cache_salt={body['cache_salt']}", timeout=30)
         held = server.gauge("tokendance_kv_blocks_used") - idle_blocks
         rss_after = rss_mb(server.process.pid)
     finally:
@@ -151,7 +154,8 @@ def main() -> int:
         total.update(c)
     server_errors = sum(n for s, n in total.items() if s.isdigit() and int(s) >= 500)
     print(f"5xx: {server_errors}; KV blocks held once idle beyond the idle level: {held:.0f} "
-          f"(after ending the {sessions:.0f} agent sessions kept); RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+          f"(after ending the {sessions:.0f} agent sessions kept); RSS {rss_before:.0f} -> {rss_after:.0f} MB "
+          f"(the KV pool's pages count once written)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "wall_seconds": wall, "alive": alive, "statuses": counts,

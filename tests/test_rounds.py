@@ -333,6 +333,17 @@ def test_agents_aborted_while_their_round_prepares_its_kv(make_llm):
     assert llm.engine.stats().num_used_blocks == 0
     assert llm.run_round(round_turns(2), PARAMS).stats.num_agents == len(AGENTS)  # the runner is whole
 
+    job = llm.rounds.submit(round_turns(3), PARAMS)  # some agents decode, others are still prepared
+    while not (llm.engine.stats().num_running and job.has_work):
+        llm.engine.step()
+    for agent in AGENTS:
+        llm.rounds.abort(agent)
+    drain(llm, job)
+    with pytest.raises(RoundAborted):  # the rest of its preparation is not run for nobody
+        llm.rounds.collect(job)
+    assert not llm.engine.has_unfinished and not llm.rounds.sessions()
+    assert llm.engine.stats().num_used_blocks == 0
+
 
 def village_round(num_agents: int) -> list[AgentTurn]:
     """Every agent: a persona, the other agents' last utterances in its own shuffled order, a task."""

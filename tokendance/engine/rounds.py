@@ -204,6 +204,8 @@ class RoundJob:
 
     def _advance(self) -> None:
         """Resume the prefill until it yields passes to run (or the wave waits for its agents)."""
+        if self._prefill is not None and self._all_abandoned():
+            return
         while self._pending is None and not self.done:
             if self._prefill is None:
                 if not self._start_wave():
@@ -307,8 +309,9 @@ class RoundJob:
         self._prefill, self._pending, self._agents = None, None, {}
 
     def _all_abandoned(self) -> bool:
-        """Every agent was aborted before any ran: the round stops in its preparation."""
-        if self._released or any(agent not in self.abandoned for agent in self._by_agent):
+        """Every agent was aborted (before or after it started): the round stops in its preparation."""
+        aborted = {o.agent_id for o in self.outputs.values() if o.finish_reason == "abort"}
+        if any(agent not in self.abandoned and agent not in aborted for agent in self._by_agent):
             return False
         self.fail(RoundAborted("every agent of the round was aborted"))
         return True
