@@ -654,10 +654,13 @@ def test_admission_counts_engine_requests_not_http_requests():
     admission.release(a)
     admission.release(b)
     assert admission.in_flight == 0
-    admission.claim(c, 9)  # larger than the bound: admitted alone, and nothing else meanwhile
+    admission.claim(c, 9)  # larger than half the bound: it counts as half, others still fit beside it
+    assert admission.in_flight == 2
+    admission.claim(a, 2)
     with pytest.raises(ApiError):
-        admission.claim(a, 1)
+        admission.claim(b, 1)
     admission.release(c)
+    admission.release(a)
     assert admission.in_flight == 0
 
 

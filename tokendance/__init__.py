@@ -1,7 +1,8 @@
 """TokenDance: a serving engine for multi-agent LLM applications."""
 
 from tokendance.config import EngineConfig
-from tokendance.engine.rounds import RoundResult, RoundStats
+from tokendance.engine.round_stats import RoundStats
+from tokendance.engine.rounds import RoundResult
 from tokendance.errors import (
     CapacityError,
     ContextLengthError,

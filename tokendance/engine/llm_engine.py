@@ -64,7 +64,7 @@ class KVGroup:
 
 
 class KVJob(Protocol):
-    """Work that prepares KV for requests it then hands to the engine (a round: `engine/rounds.py`).
+    """Work that prepares KV for requests it then hands to the engine (a round: `engine/round_job.py`).
     The engine runs one job at a time, in the order they were added, within its steps."""
 
     done: bool
@@ -93,7 +93,7 @@ class OutputState:
 
 class LLMEngine:
     """Owns the model, the KV pool and the scheduler; `step` is the only place results re-enter
-    the engine. Rounds run on top of it (`engine/rounds.py`)."""
+    the engine. Rounds are jobs it runs in its steps (`engine/round_job.py`)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded` reuses weights already in memory (several engines over one model)."""

@@ -10,7 +10,7 @@ manager.
 
 A prefill runs no forward pass itself: it is a generator that yields the passes it needs
 (`Work`) and the agents whose tables are complete (`Ready`), and the engine runs the passes in its
-own steps, beside every other request's tokens (see `engine/rounds.py`). Reading fresh keys after
+own steps, beside every other request's tokens (see `engine/round_job.py`). Reading fresh keys after
 a pass (the check pass) is plain code after the `yield`.
 """
 
