@@ -654,7 +654,7 @@ def test_admission_counts_engine_requests_not_http_requests():
     admission.release(a)
     admission.release(b)
     assert admission.in_flight == 0
-    admission.claim(c, 9)  # larger than half the bound: it counts as half, others still fit beside it
+    admission.claim(c, 9)  # larger than the bound: it counts as half of it, others still fit beside it
     assert admission.in_flight == 2
     admission.claim(a, 2)
     with pytest.raises(ApiError):

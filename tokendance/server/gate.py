@@ -5,7 +5,7 @@ Admission is a bound, not a queue, and it counts engine work, not HTTP requests:
 request, each agent of a `/v1/rounds` counts one; they queue inside the engine's scheduler, which
 runs `max_num_seqs` of them per step). A request that would pass the bound is answered 429 at
 once with `Retry-After`, so an overloaded server sheds load instead of building an unbounded
-backlog of open connections; one larger than half the bound counts as half of it (its engine
+backlog of open connections; one larger than the bound counts as half of it (its engine
 requests queue in the scheduler, fairly shared between jobs), so it never shuts others out.
 """
 
@@ -39,9 +39,10 @@ class Admission:
     def claim(self, scope, units: int) -> None:
         """Hold `units` for the request (replacing what it held: the gate claims 1 before the body
         is parsed, the handler the request's real size after); ApiError 429 if they do not fit."""
-        # A request larger than half the bound counts as half of it: its engine requests queue in
-        # the scheduler, which shares slots fairly between jobs, so others are admitted beside it.
-        units = min(units, max(1, self.limit // 2))
+        # A request larger than the bound counts as half of it: its engine requests queue in the
+        # scheduler, which shares slots fairly between jobs, so others are admitted beside it.
+        if units > self.limit:
+            units = max(1, self.limit // 2)
         state = scope.setdefault("state", {})
         held = state.get("admitted_units", 0)
         others = self.in_flight - held
