@@ -41,3 +41,13 @@ def test_kernel_decode_equals_eager_decode(make_llm, kernel_enabled, mode):
             assert len(ours.logits) == len(ref.logits) > 1
             for a, b in zip(ours.logits, ref.logits):
                 assert (a - b).abs().max().item() < LOGIT_ATOL
+
+
+def test_the_kernel_takes_only_shapes_its_buffers_hold():
+    """Llama-2-7B's 32 KV heads do not fit the kernel's buffers: such a model decodes in torch
+    ops instead of failing at every step."""
+    from tokendance.model import kernels
+
+    assert kernels.supports(3, 9, 64)  # the default model
+    assert not kernels.supports(32, 32, 128)  # Llama-2-7B
+    assert not kernels.supports(8, 8 * 17, 64) and not kernels.supports(8, 8, 512)

@@ -163,7 +163,8 @@ class LlamaModel:
         angles = torch.outer(shifts, rope_inverse_frequencies(config))[:, None, :]  # [2L-1, 1, D/2]
         self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
         self.read_keys = FusedKeyReader()
-        self.decode_kernel = PagedDecodeKernel.load(self) if torch.device(device).type == "cpu" else None
+        fits = kernels.supports(config.num_kv_heads, config.num_heads, config.head_dim)
+        self.decode_kernel = PagedDecodeKernel.load(self) if torch.device(device).type == "cpu" and fits else None
         self.decode_reads = DecodeReads()
 
     def forward(

@@ -52,12 +52,12 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: paged decode attention runs in eager torch ops")
         return None
-    source = SOURCE.read_bytes()
     flags = FLAGS + arch_flags()
-    # -march=native: the binary is only valid on this kind of CPU, so the CPU is in the key
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    library = cache_dir() / f"paged_decode-{key}.so"
     try:
+        source = SOURCE.read_bytes()  # an installation without the source falls back like a failed build
+        # -march=native: the binary is only valid on this kind of CPU, so the CPU is in the key
+        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+        library = cache_dir() / f"paged_decode-{key}.so"
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
@@ -70,11 +70,19 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the paged decode kernel failed, using eager torch ops: %s", detail)
         return None
-    fn = lib.paged_decode_attention
+    fn = lib.paged_decode_attention  # limits: MAX_HEADS, MAX_GROUP, MAX_DIM (checked by supports())
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     return lib
+
+
+MAX_KV_HEADS, MAX_GROUP, MAX_DIM = 16, 16, 256  # as paged_decode.c is compiled
+
+
+def supports(num_kv_heads: int, num_heads: int, head_dim: int) -> bool:
+    """Whether a model's attention shape fits the kernel's fixed-size buffers."""
+    return num_kv_heads <= MAX_KV_HEADS and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_DIM
 
 
 def _cpu_signature() -> str:
