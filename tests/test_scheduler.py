@@ -56,9 +56,9 @@ def test_decodes_go_first_and_prefills_share_what_is_left():
 
 
 def test_a_long_prefill_leaves_room_for_requests_that_wait():
-    """Beside other requests, a running prefill takes a quarter of the budget per step: a waiting
-    request is admitted, and a running one decodes, in the same step instead of after the whole
-    long prompt."""
+    """Beside other requests, a running prefill takes a quarter of the budget per step (less deep
+    into a long prompt): a waiting request is admitted, and a running one decodes, in the same
+    step instead of after the whole long prompt."""
     kv = KVCacheManager(num_blocks=64, block_size=4)
     scheduler = Scheduler(kv, max_num_batched_tokens=16, max_num_seqs=4)
     long, short = request("long", 100), request("short", 3, start=300)
@@ -215,3 +215,17 @@ def test_selectors_pick_their_tokens():
     assert make_selector("cacheblend-block", 0.2).select(10, deviation) in ([0, 1], [2, 3])
     assert make_selector("cacheblend", 1.0).select(4, deviation[:4]) == [0, 1, 2, 3]
     assert make_selector("epic", 0.0).select(10, None) == []
+
+
+def test_prefill_chunks_shrink_deep_into_a_long_prompt():
+    """Each new token of a long prompt attends to more: chunk x context is bounded (budget x 512
+    alone, budget x 128 beside others), so no step grows to seconds of attention."""
+    kv = KVCacheManager(num_blocks=4096, block_size=16)
+    scheduler = Scheduler(kv, max_num_batched_tokens=2048, max_num_seqs=4)
+    long, short = request("long", 7800), request("short", 4, start=9000)
+    requests = {"long": long, "short": short}
+    scheduler.add(long)
+    assert [step(scheduler, requests)[0][1] for _ in range(3)] == [2048, 2048 * 512 // 2048, 2048 * 512 // 2560]
+    scheduler.add(short)
+    computed = long.num_computed_tokens
+    assert step(scheduler, requests) == [("long", 2048 * 128 // computed, False), ("short", 4, True)]
