@@ -598,6 +598,11 @@ def test_api_key_required(guarded):
         guarded.client("wrong").chat.completions.create(model=guarded.model, messages=[{"role": "user", "content": "hi"}])
     assert guarded.client("sesame").models.list().data[0].id == guarded.model
     assert guarded.request("GET", "/health")[0] == 200  # probes need no key
+    assert guarded.request("HEAD", "/health")[0] == 200
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as raw:  # two keys: neither counts
+        raw.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+                    b"Authorization: Bearer sesame\r\nConnection: close\r\n\r\n")
+        assert raw.recv(200).startswith(b"HTTP/1.1 401")
     assert guarded.request("GET", "/openapi.json")[0] == 401
     assert guarded.request("GET", "/openapi.json", headers={"Authorization": "Bearer sesame"})[0] == 200
     # the key is checked before the body is read: the answer comes while the body is still unsent

@@ -73,7 +73,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="TokenDance", lifespan=lifespan, docs_url=None, redoc_url=None)
     admission = Admission(config.max_concurrent_requests, metrics)
     api = Api(llm, config, loop, metrics, admission)
-    app.get("/health")(api.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(api.health)  # load balancers probe with HEAD
     app.get("/metrics")(api.metrics_text)
     app.get("/v1/models")(api.models)
     app.get("/v1/models/{model:path}")(api.model)

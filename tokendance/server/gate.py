@@ -134,12 +134,17 @@ class Gate:
         return b"".join(chunks)
 
     def _tenant(self, scope) -> str | None:
-        return tenant_of(dict(scope["headers"]).get(b"authorization", b""), self.config.api_keys)
+        return tenant_of([value for name, value in scope["headers"] if name == b"authorization"], self.config.api_keys)
 
 
-def tenant_of(authorization: bytes, api_keys: tuple[str, ...]) -> str | None:
-    """The tenant of an Authorization header's key (a digest of the key, never the key), or None
-    if the key is missing or unknown. Every key is compared, in constant time."""
+def tenant_of(authorizations: list[bytes], api_keys: tuple[str, ...]) -> str | None:
+    """The tenant of a request's Authorization header's key (a digest of the key, never the key),
+    or None if the key is missing or unknown, or if there are several Authorization headers
+    (which one a proxy would honour is ambiguous, so none is). Every key is compared, in constant
+    time."""
+    if len(authorizations) != 1:
+        return None
+    authorization = authorizations[0]
     tenant = None
     for key in api_keys:
         if hmac.compare_digest(authorization, f"Bearer {key}".encode()):

@@ -140,7 +140,7 @@ class Ingress:
         path, method = request.url.path, request.method
         tenant = None
         if self.config.api_keys and path not in OPEN_PATHS:
-            tenant = tenant_of(request.headers.get("authorization", "").encode(), self.config.api_keys)
+            tenant = tenant_of([v.encode() for v in request.headers.getlist("authorization")], self.config.api_keys)
             if tenant is None:
                 return _error(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                        code="invalid_api_key"))
