@@ -1,4 +1,9 @@
-"""Command line: `tokendance generate "..."`, `tokendance chat`, `tokendance demo`."""
+"""TokenDance, a serving engine for multi-agent LLM applications.
+
+Commands: `generate` (complete a prompt), `chat` (talk to the model), `demo` (a small multi-agent
+simulation), `serve` (the OpenAI-compatible server), `bench` (workloads against the reuse modes or
+any OpenAI-compatible server). `tokendance COMMAND --help` tells each one's options.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +13,65 @@ import time
 
 from tokendance.errors import TokenDanceError
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's default is shown, unless its help already tells it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower()
+                or action.default is None or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokendance", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete a raw text prompt")
-    gen.add_argument("prompt")
-    chat = sub.add_parser("chat", help="chat with the model (one message with -m, else interactive)")
-    chat.add_argument("-m", "--message", help="send one message, print the reply and exit")
-    demo = sub.add_parser("demo", help="a small closed-loop multi-agent simulation: tokendance vs prefix caching")
-    demo.add_argument("--agents", type=int, default=8)
-    demo.add_argument("--rounds", type=int, default=3)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    for p in (gen, chat):
-        p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-        p.add_argument("--max-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--seed", type=int, default=None)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with round-aware sharing")
-    from tokendance.server.cli import add_serve_arguments
-
-    add_serve_arguments(serve)
-    bench = sub.add_parser("bench", help="a multi-agent workload against the reuse modes side by side")
-    from tokendance.bench.cli import add_bench_arguments
-
-    add_bench_arguments(bench)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except TokenDanceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokendance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+
+    gen = command("generate", "complete a raw text prompt")
+    gen.add_argument("prompt", help="the text to continue")
+    chat = command("chat", "chat with the model (one message with -m, else interactive)")
+    chat.add_argument("-m", "--message", help="send one message, print the reply and exit")
+    demo = command("demo", "a small closed-loop multi-agent simulation: tokendance against prefix caching, "
+                           "with full prefill as the fidelity reference")
+    demo.add_argument("--agents", type=int, default=8, help="agents in the simulation")
+    demo.add_argument("--rounds", type=int, default=3, help="rounds to run")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
+    model_help = "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    dtype_help = "auto: bfloat16 where the CPU has native bf16, else float32"
+    demo.add_argument("--model", default=None, help=model_help)
+    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=dtype_help)
+    for p in (gen, chat):
+        p.add_argument("--model", default=None, help=model_help)
+        p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=dtype_help)
+        p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+        p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: off)")
+        p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    serve = command("serve", "the OpenAI-compatible HTTP server, with rounds formed from chat requests")
+    from tokendance.server.cli import add_serve_arguments
+
+    add_serve_arguments(serve)
+    bench = command("bench", "a multi-agent workload against the reuse modes side by side, or against any "
+                             "OpenAI-compatible server (--target)")
+    from tokendance.bench.cli import add_bench_arguments
+
+    add_bench_arguments(bench)
+    return parser
 
 
 def _load(args):

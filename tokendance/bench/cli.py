@@ -18,28 +18,32 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity"],
                         help="rounds: modes side by side per round (default); capacity: max agents per mode")
     parser.add_argument("--workload", default="generative-agents",
-                        choices=["generative-agents", "agent-society", "debate"])
+                        choices=["generative-agents", "agent-society", "debate"], help="the multi-agent workload")
     parser.add_argument("--agents", type=int, nargs="+", default=None,
                         help="numbers of agents (default: 4 8 16; debate: 3)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per simulation")
     parser.add_argument("--modes", nargs="+", default=None, choices=REUSE_MODES,
                         help="reuse modes (default: all four; capacity: prefix pic tokendance)")
     parser.add_argument("--loop", default="open", choices=["open", "closed"],
                         help="open: fixed synthetic outputs feed the next round; closed: the model's own")
     parser.add_argument("--order", default=None, choices=["same", "shuffle", "exclude-self"],
                         help="order of the shared blocks in each prompt (default: the workload's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default model if omitted)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on every agent's output length")
-    parser.add_argument("--ratio", type=float, default=0.05, help="recompute ratio of pic and tokendance")
-    parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"])
+    parser.add_argument("--ratio", type=float, default=0.05,
+                        help="recompute ratio of pic and tokendance (serve's --recompute-ratio)")
+    parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"],
+                        help="which tokens of a reused span are recomputed")
     parser.add_argument("--kv-cache-mb", type=int, default=None,
                         help="KV pool per engine (default: every agent's prompts privately, x1.3)")
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3],
                         help="fidelity-vs-ratio sweep of tokendance at --sweep-agents (none: skip)")
-    parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"])
-    parser.add_argument("--sweep-agents", type=int, default=8)
+    parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"],
+                        help="selection policies of the sweep")
+    parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's simulation")
     parser.add_argument("--kv-budget-mb", type=float, default=160.0, help="capacity: the fixed KV memory budget")
     parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")
     parser.add_argument("--max-agents", type=int, default=64, help="capacity: upper end of the search")

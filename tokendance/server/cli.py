@@ -24,18 +24,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     add("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000)
+    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add("--port", type=int, default=8000, help="port to listen on")
     add("--reuse", default="tokendance", choices=["full", "prefix", "pic", "tokendance"],
         help="how rounds reuse shared messages (default: tokendance)")
-    add("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    add("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 where the CPU has native bf16, else float32")
     add("--kv-cache-bytes", type=parse_bytes, default="auto",
         help="KV pool budget, e.g. 512M or 2G (default auto: a quarter of the available memory, at most 4G)")
-    add("--max-model-len", type=int, default=None)
+    add("--max-model-len", type=int, default=None, help="context window cap (default: the model's)")
     add("--max-num-seqs", type=int, default=64, help="requests the scheduler runs at once")
-    add("--num-threads", type=int, default=None)
-    add("--recompute-ratio", type=float, default=None)
-    add("--selection", default=None, choices=["epic", "cacheblend", "cacheblend-block"])
+    add("--num-threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    add("--recompute-ratio", type=float, default=None,
+        help="share of each reused span's tokens recomputed in its new context (default: the engine's, 0.05)")
+    add("--selection", default=None, choices=["epic", "cacheblend", "cacheblend-block"],
+        help="which tokens of a reused span are recomputed (default: the engine's, epic)")
     add("--gather-window-ms", type=float, default=50.0,
         help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,
@@ -45,9 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "caches, sessions and shared KV are kept apart (default: $TOKENDANCE_API_KEY, comma-separated; else none)")
     add("--max-concurrent-requests", type=int, default=1024,
         help="engine requests in flight (each prompt x choice, each agent of a /v1/rounds counts one); "
-             "a request that would pass this is answered 429; one larger than it runs only alone")
+             "a request that would pass this is answered 429; one larger than it counts as half of it")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
-    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level")
     add("--replicas", type=int, default=1,
         help="engine replicas behind one endpoint, deployed with Ray Serve (needs 'tokendance[ray]'); "
              "rounds and agents are routed to the replica that holds their KV")
