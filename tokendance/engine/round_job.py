@@ -190,7 +190,9 @@ class RoundJob:
             self.abandoned.add(agent_id)
 
     def record_abort(self, output: RequestOutput) -> None:
+        """The agent's request was aborted in the engine: its output, and the wave may be over."""
         self._record(output)
+        self._end_wave_if_done()
 
     # ------------------------------------------------------------ the prefill
 
@@ -302,6 +304,8 @@ class RoundJob:
 
     def _all_abandoned(self) -> bool:
         """Every agent was aborted (before or after it started): the round stops in its preparation."""
+        if not self.abandoned:  # (an agent not yet started is abandoned when it leaves: none left)
+            return False
         aborted = {o.agent_id for o in self.outputs.values() if o.finish_reason == "abort"}
         if any(agent not in self.abandoned and agent not in aborted for agent in self._by_agent):
             return False

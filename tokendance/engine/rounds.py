@@ -94,7 +94,6 @@ class RoundRunner:
         if request_id in self.engine.requests:
             output = self.engine.abort_request(request_id)
             job.record_abort(output)
-            job.observe([])
             return output
         job.abandon(agent_id)
         return None

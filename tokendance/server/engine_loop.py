@@ -184,9 +184,7 @@ class EngineLoop:
             self._handle_job(job)
         except Exception:
             log.exception("a request failed on the engine thread")
-            sink = getattr(job, "sink", None) or getattr(getattr(job, "turn", None), "sink", None)
-            sinks = [sink] if sink is not None else [t.sink for t in getattr(job, "turns", ())]
-            for sink in sinks:
+            for sink in _sinks(job):
                 self._abort(sink)  # nothing of it stays in the engine
                 sink.fail(ApiError(500, "the engine failed on this request", type="server_error"))
 
@@ -364,6 +362,17 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.metrics.record_engine(self.engine.stats(), len(self.gatherer))
+
+
+def _sinks(job) -> list[Sink]:
+    """The clients a job answers (none for a call or a stop)."""
+    if isinstance(job, (GenerateJob, AbortJob)):
+        return [job.sink]
+    if isinstance(job, TurnJob):
+        return [job.turn.sink]
+    if isinstance(job, RoundJob):
+        return [t.sink for t in job.turns]
+    return []
 
 
 def _source(turns: list[ChatTurn]) -> str:
