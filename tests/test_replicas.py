@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed: pip install 'tokendance[ray]'")
 
-from tests.test_server import Server, disconnect, kv_bytes, long_chat, open_stream, wait_until  # noqa: E402
+from tests.helpers import Server, disconnect, kv_bytes, long_chat, open_stream, wait_until  # noqa: E402
 from tokendance import AgentTurn, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray

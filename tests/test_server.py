@@ -8,94 +8,25 @@ import http.client
 import json
 import random
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 
-from tokendance.model.platform import probe_cpu
+from tests.helpers import Server, disconnect, kv_bytes, long_chat, open_stream, read_events, salt, wait_until
 from tokendance.server.gate import Admission
 from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
-from tokendance.server.metrics import Metrics, parse
+from tokendance.model.platform import probe_cpu
+from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
 
 SHARED = [
     "Ada says: the bridge over the river is closed for repairs until the end of next week.",
     "Bo says: the market opens at nine tomorrow and the bakery will sell fresh rye bread.",
 ]
-
-
-class Server:
-    """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
-
-    def __init__(self, *args: str, api_key: str | None = None):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = tempfile.TemporaryFile()
-        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", "2", *args]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 180
-        while not self._healthy():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start:\n{self.output()}")
-            time.sleep(0.2)
-        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.model = json.loads(self.request("GET", "/v1/models", headers=auth)[2])["data"][0]["id"]
-
-    def _healthy(self) -> bool:
-        try:
-            return self.request("GET", "/health")[0] == 200
-        except OSError:
-            return False
-
-    def request(self, method: str, path: str, body=None, headers=None, timeout=60) -> tuple[int, dict, bytes]:
-        """(status, headers, body); `body` may be a dict (sent as JSON) or raw bytes."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-            connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-            response = connection.getresponse()
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-        finally:
-            connection.close()
-
-    def post(self, path: str, body, **kwargs) -> tuple[int, dict]:
-        status, _, data = self.request("POST", path, body, **kwargs)
-        return status, json.loads(data)
-
-    def metrics(self) -> dict[str, float]:
-        return parse(self.request("GET", "/metrics")[2].decode())
-
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-5000:]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def kv_bytes(num_tokens: int) -> str:
-    """A KV pool of `num_tokens` tokens in the dtype the server picks here (bf16 or fp32)."""
-    element = 2 if probe_cpu().native_bf16 else 4
-    return str(num_tokens * 2 * 30 * 3 * 64 * element)  # K and V, 30 layers, 3 KV heads x 64
 
 
 @pytest.fixture(scope="module")
@@ -121,52 +52,12 @@ def tenants():
     s.stop()
 
 
-def salt() -> str:
-    return uuid.uuid4().hex
-
-
-def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def villager(i: int, task: str = "what do you do next?") -> list[dict]:
     """A persona, the shared messages in a per-agent order, a private task."""
     shared = list(SHARED)
     random.Random(i).shuffle(shared)
     system = {"role": "system", "content": f"You are villager {i}, who keeps {['goats', 'bees', 'hens', 'cows'][i % 4]}."}
     return [system, *({"role": "user", "content": s} for s in shared), {"role": "user", "content": f"Villager {i}, {task}"}]
-
-
-def open_stream(server: Server, body: dict, events: int, headers=None) -> http.client.HTTPConnection:
-    """Start a streaming request and read `events` SSE events (`read_events` reads more); the
-    caller closes the connection."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                       headers={"Content-Type": "application/json", **(headers or {})})
-    response = connection.getresponse()
-    assert response.status == 200
-    connection.stream = response
-    read_events(connection, events)
-    return connection
-
-
-def read_events(connection: http.client.HTTPConnection, events: int) -> None:
-    seen = 0
-    while seen < events:
-        seen += connection.stream.fp.readline().startswith(b"data:")
-
-
-def disconnect(connection: http.client.HTTPConnection) -> None:
-    connection.sock.shutdown(socket.SHUT_RDWR)
-    connection.close()
-
-
-def long_chat(model: str) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": f"Count forever. {salt()}"}],
-            "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
 # ---------------------------------------------------------------- basics
@@ -212,6 +103,20 @@ def test_chat_stream_matches_non_stream(server):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_sampler(server):
+    client, messages = server.client(), [{"role": "user", "content": f"Say yes. ({salt()})"}]
+    forced = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0,
+                                            logit_bias={"28": 100})  # token 28 is ","
+    assert forced.choices[0].message.content == ",,,,"
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0)
+    penalized = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0,
+                                          frequency_penalty=2, presence_penalty=2,
+                                          extra_body={"repetition_penalty": 1.5, "min_tokens": 12})
+    assert penalized.choices[0].text != plain.choices[0].text
+    assert penalized.usage.completion_tokens == 12
 
 
 def test_stop_string_is_never_streamed(server):
@@ -371,7 +276,13 @@ BAD_CHATS = [  # (fields replacing the defaults, status, expected param, expecte
     ({"max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"stop_token_ids": [-3]}, 400, "stop_token_ids", "invalid_value"),
     ({"n": 17}, 400, "n", None),
-    ({"logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"one": 5}}, 400, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"1": "5"}}, 400, "logit_bias.1", None),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
+    ({"frequency_penalty": -3}, 400, "frequency_penalty", "invalid_value"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    ({"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", "invalid_value"),
+    ({"best_of": 3}, 400, "best_of", "unsupported_parameter"),
     ({"round_size": 3}, 400, "round_size", None),
     ({"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context_length_exceeded"),
     # values the sampler or tokenizer cannot take, and loose types OpenAI rejects

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.test_server import Server, kv_bytes
+from tests.helpers import Server, kv_bytes
 from tokendance import SamplingParams
 from tokendance.errors import InvalidRequestError
 from tokendance.structured import StructuredOutput
@@ -293,7 +293,8 @@ def test_a_round_of_agents_with_response_format(server):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"n": 2, "agent_id": "x"}, "n"),
     ({"n": 99}, "n"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"logit_bias": {"50256": -101}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(server, fields, param):
     secret = "a-value-that-must-not-be-echoed"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokendance.kv.manager import BlockCopy
-from tokendance.sampling import SamplingParams
+from tokendance.sampling import SamplingParams, TokenHistory
 
 
 @dataclass
@@ -20,6 +20,7 @@ class ScheduledRequest:
     context_slots: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams | None
+    history: TokenHistory | None = None  # set when it samples with logit adjustments (penalties, ...)
 
 
 @dataclass

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,9 @@ from tokendance.errors import InvalidRequestError
 from tokendance.structured import GrammarCompiler, Guide, StructuredOutput, allowed_tokens
 
 MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI defines them
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100]: -100 bans a token, 100 all but forces it
+MAX_BIASED_TOKENS = 1024
 
 
 @dataclass
@@ -37,6 +41,16 @@ class SamplingParams:
     # grammar masks), plus the `logprobs` most likely alternatives: None = off, 0 = the token's own.
     logprobs: int | None = None
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
+    # Logit adjustments (OpenAI's and vLLM's meanings): presence subtracts once from every token
+    # already generated, frequency once per occurrence; repetition divides positive logits (and
+    # multiplies negative ones) of every token in the prompt or the output; logit_bias adds to the
+    # logits of the token ids it names; min_tokens holds EOS and stop_token_ids back until that
+    # many tokens were generated. Logprobs stay those of the unadjusted model.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,12 +78,36 @@ class SamplingParams:
                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        self._check_adjustments()
         _check(self.structured is None or not self.ignore_eos,
                "ignore_eos cannot be combined with structured output (a complete output ends with EOS)")
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                   f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+               f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        _check(isinstance(bias, Mapping) and len(bias) <= MAX_BIASED_TOKENS
+               and all(_is_int(t) and t >= 0 and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in bias.items()),
+               f"logit_bias must map at most {MAX_BIASED_TOKENS} token ids (integers >= 0) to numbers in "
+               f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self.logit_bias = dict(bias) or None
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small sample the argmax anyway; dividing by them overflows
@@ -95,6 +133,15 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+class TokenHistory(NamedTuple):
+    """What a row's logit adjustments read: its request's tokens so far (references, not copies)
+    and the ids that end it."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: Sequence[int]  # EOS (unless ignored) and the request's stop_token_ids
+
+
 @dataclass
 class TokenLogprobs:
     """One generated token's log-probability and the most likely alternatives, best first."""
@@ -115,6 +162,37 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], counts: Sequence
             for row, (t, c, n) in enumerate(zip(tokens, chosen, counts))]
 
 
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+                  rows: Sequence[int]) -> torch.Tensor:
+    """A float32 copy of `logits` [B, vocab] whose `rows` have their request's min_tokens, logit
+    bias and penalties applied (vLLM's order), vectorized over the rows."""
+    out = logits.float().clone()
+    index = torch.tensor(rows, dtype=torch.int64, device=out.device)
+    sub, vocab = out[index], out.shape[-1]  # [R, vocab]
+
+    def flat(ids_per_row) -> torch.Tensor:  # row-major positions in `sub` of each row's token ids
+        return torch.tensor([r * vocab + t for r, ids in enumerate(ids_per_row) for t in ids if t < vocab],
+                            dtype=torch.int64, device=out.device)
+
+    held = [h.stop_token_ids if len(h.output_token_ids) < p.min_tokens else () for p, h in zip(params, histories)]
+    sub.view(-1)[flat(held)] = float("-inf")
+    biases = [p.logit_bias or {} for p in params]
+    sub.view(-1).index_add_(0, flat(biases), torch.tensor([b for bias in biases for t, b in bias.items() if t < vocab],
+                                                          dtype=sub.dtype, device=out.device))
+    penalty = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
+    if bool((penalty != 1).any()):
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        seen.view(-1)[flat([(*h.prompt_token_ids, *h.output_token_ids) for h in histories])] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    counts = torch.zeros_like(sub)
+    outputs = flat([h.output_token_ids for h in histories])
+    counts.view(-1).index_add_(0, outputs, torch.ones(len(outputs), dtype=sub.dtype, device=out.device))
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
+    out[index] = sub - frequency * counts - presence * (counts > 0)
+    return out
+
+
 class Sampler:
     """Turns a batch of logits into one token per row. Seeded requests own a generator for their
     whole life, so their draws do not depend on batch composition; guided requests (structured
@@ -127,8 +205,12 @@ class Sampler:
         self._guides: dict[str, Guide] = {}
 
     def sample(
-        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
-    ) -> list[int]:  # logits: [B, vocab]
+        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+        histories: Sequence[TokenHistory | None] = (),
+    ) -> list[int]:  # logits: [B, vocab]; histories: one per row whose params adjust logits
+        adjusted = [row for row, p in enumerate(params) if p.adjusts_logits]
+        if adjusted:
+            logits = adjust_logits(logits, [params[r] for r in adjusted], [histories[r] for r in adjusted], adjusted)
         guides = [self._guide(request_id, p) for request_id, p in zip(request_ids, params)]
         guided = [row for row, guide in enumerate(guides) if guide is not None]
         if guided:  # one bitmask for all guided rows, applied to a copy of those rows

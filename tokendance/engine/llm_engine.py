@@ -179,6 +179,8 @@ class LLMEngine:
             raise InvalidRequestError("a prompt must be a string or a list of token ids")
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        if any(t >= self.model_config.vocab_size for t in params.logit_bias or ()):
+            raise InvalidRequestError(f"logit_bias names token ids beyond the vocabulary ({self.model_config.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens; the context window is {self.max_model_len} "

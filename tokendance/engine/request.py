@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokendance.sampling import SamplingParams
+from tokendance.sampling import SamplingParams, TokenHistory
 
 
 class RequestStatus(enum.Enum):
@@ -36,10 +36,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    logits: list = field(default_factory=list)  # per generated token, if return_logits
     arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -59,6 +56,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def token_history(self) -> TokenHistory:
+        p = self.sampling_params
+        stops = (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids)
+        return TokenHistory(self.prompt_token_ids, self.output_token_ids, stops)
 
     def check_token_stop(self) -> str | None:
         """Finish reason implied by the last generated token, if any."""

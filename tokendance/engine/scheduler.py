@@ -156,6 +156,7 @@ class Scheduler:
                 context_slots=self.kv.get_slots(request.request_id)[:end],
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
+                history=request.token_history() if request.sampling_params.adjusts_logits else None,
             )
         )
         out.block_copies.extend(copies)

@@ -46,7 +46,8 @@ class ModelRunner:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_samplers, vocab]
         ids = [item.request_id for item in samplers]
-        tokens = self.sampler.sample(logits, ids, [item.sampling_params for item in samplers])
+        tokens = self.sampler.sample(logits, ids, [item.sampling_params for item in samplers],
+                                     [item.history for item in samplers])
         kept = {
             item.request_id: logits[row].float()
             for row, item in enumerate(samplers)

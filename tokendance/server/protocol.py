@@ -3,7 +3,7 @@
 Validation happens in two layers: pydantic checks presence and types (a 400 naming the field),
 `SamplingParams` and the engine check values (a 400 naming the field, or a code such as
 `context_length_exceeded`). Fields a client may send that this server cannot honour (best_of,
-logit_bias, penalties, ...) are rejected, never silently ignored, and the error names the field
+echo, suffix, ...) are rejected, never silently ignored, and the error names the field
 without repeating its value.
 """
 
@@ -35,7 +35,8 @@ MAX_PROMPTS = 128  # prompts in one /v1/completions request
 MAX_ECHO = 64  # characters of a client's value repeated in an error message
 MAX_N = 16  # choices per request
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI caps it
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
 class ApiError(Exception):
@@ -90,9 +91,10 @@ def check_text(text: str, param: str) -> str:
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields shared by every generation request. `top_k`, `stop_token_ids` and
-    `ignore_eos` are extensions (vLLM spells them the same way). Types are strict: a number must
-    be a JSON number, a flag a JSON boolean."""
+    """Sampling fields shared by every generation request. `top_k`, `stop_token_ids`,
+    `ignore_eos`, `repetition_penalty` and `min_tokens` are extensions (vLLM spells them the same
+    way). `logit_bias` maps token ids, written as JSON object keys, to biases. Types are strict: a
+    number must be a JSON number, a flag a JSON boolean."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -104,6 +106,11 @@ class SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=1024)
     ignore_eos: StrictBool | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    min_tokens: StrictInt | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     # structured output: OpenAI's response_format, and vLLM's guided_* extensions
     response_format: dict[str, Any] | None = None
@@ -150,6 +157,8 @@ class SamplingFields(BaseModel):
         values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
         values.setdefault("max_tokens", default_max_tokens)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("logit_bias") is not None:
+            values["logit_bias"] = token_biases(values["logit_bias"])
         temperature = values.get("temperature")
         if isinstance(temperature, (int, float)) and not 0 <= temperature <= 2:
             raise ApiError(400, f"temperature must be in [0, 2], got {echo(temperature)}", param="temperature",
@@ -169,14 +178,22 @@ class SamplingFields(BaseModel):
             "echo": lambda v: bool(v),
             "suffix": lambda v: v is not None,
             "functions": lambda v: bool(v),
-            "logit_bias": lambda v: bool(v),
-            "presence_penalty": lambda v: v not in (None, 0),
-            "frequency_penalty": lambda v: v not in (None, 0),
         }
         for name, rejected in unsupported.items():
             if name in extra and rejected(extra[name]):
                 raise ApiError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
+
+
+def token_biases(logit_bias: dict) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}) with integer keys; a key that is no token id is a 400."""
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise ApiError(400, f"logit_bias keys must be token ids (digits), got {echo(key)}", param="logit_bias",
+                           code="invalid_value")
+        biases[int(key)] = bias
+    return biases
 
 
 class StreamOptions(BaseModel):

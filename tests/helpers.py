@@ -1,0 +1,123 @@
+"""Helpers the test modules share: a real `tokendance serve` process and raw-HTTP streaming."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import openai
+
+from tokendance.model.platform import probe_cpu
+from tokendance.server.metrics import parse
+
+
+class Server:
+    """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
+
+    def __init__(self, *args: str, api_key: str | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.TemporaryFile()
+        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", "2", *args]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.output()}")
+            time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = json.loads(self.request("GET", "/v1/models", headers=auth)[2])["data"][0]["id"]
+
+    def _healthy(self) -> bool:
+        try:
+            return self.request("GET", "/health")[0] == 200
+        except OSError:
+            return False
+
+    def request(self, method: str, path: str, body=None, headers=None, timeout=60) -> tuple[int, dict, bytes]:
+        """(status, headers, body); `body` may be a dict (sent as JSON) or raw bytes."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+            connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            response = connection.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            connection.close()
+
+    def post(self, path: str, body, **kwargs) -> tuple[int, dict]:
+        status, _, data = self.request("POST", path, body, **kwargs)
+        return status, json.loads(data)
+
+    def metrics(self) -> dict[str, float]:
+        return parse(self.request("GET", "/metrics")[2].decode())
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def kv_bytes(num_tokens: int) -> str:
+    """A KV pool of `num_tokens` tokens in the dtype the server picks here (bf16 or fp32)."""
+    element = 2 if probe_cpu().native_bf16 else 4
+    return str(num_tokens * 2 * 30 * 3 * 64 * element)  # K and V, 30 layers, 3 KV heads x 64
+
+
+def salt() -> str:
+    return uuid.uuid4().hex
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def open_stream(server: Server, body: dict, events: int, headers=None) -> http.client.HTTPConnection:
+    """Start a streaming request and read `events` SSE events (`read_events` reads more); the
+    caller closes the connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    assert response.status == 200
+    connection.stream = response
+    read_events(connection, events)
+    return connection
+
+
+def read_events(connection: http.client.HTTPConnection, events: int) -> None:
+    seen = 0
+    while seen < events:
+        seen += connection.stream.fp.readline().startswith(b"data:")
+
+
+def disconnect(connection: http.client.HTTPConnection) -> None:
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+def long_chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": f"Count forever. {salt()}"}],
+            "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}

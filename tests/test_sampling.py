@@ -1,0 +1,116 @@
+"""Logit adjustments (penalties, logit_bias, min_tokens) against transformers' logits processors
+and OpenAI's written formula, model-free and through the engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from tokendance import SamplingParams
+from tokendance.errors import InvalidRequestError
+from tokendance.sampling import TokenHistory, adjust_logits
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's definition, token by token: logit -= count * frequency + (count > 0) * presence,
+    counting the generated tokens only."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row in range(len(input_ids)):
+            for token, count in Counter(input_ids[row, self.prompt_length:].tolist()).items():
+                scores[row, token] -= count * self.frequency + self.presence
+        return scores
+
+
+def reference_processors(params: SamplingParams, prompt_length: int, stop_ids: list[int]) -> LogitsProcessorList:
+    """The same adjustments from transformers, in vLLM's order: min_tokens and logit_bias, then
+    the penalties."""
+    processors = LogitsProcessorList()
+    if params.min_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, stop_ids))
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias.items()}))
+    if params.repetition_penalty != 1:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    processors.append(OpenAIPenalties(prompt_length, params.presence_penalty, params.frequency_penalty))
+    return processors
+
+
+ADJUSTMENTS = [
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(repetition_penalty=0.7, frequency_penalty=0.4),
+    SamplingParams(presence_penalty=1.5, frequency_penalty=-0.5),
+    SamplingParams(min_tokens=4, logit_bias={3: 5.0, 7: -100.0, 11: 2.5}),
+    SamplingParams(min_tokens=2, repetition_penalty=1.1, presence_penalty=0.3, logit_bias={5: -1.0}),
+]
+
+
+def test_adjusted_logits_equal_the_reference_processors_row_by_row():
+    generator = torch.Generator().manual_seed(0)
+    vocab, stop_ids = 40, [0, 9]
+    logits = torch.randn(len(ADJUSTMENTS) + 1, vocab, generator=generator) * 4
+    histories = [TokenHistory(torch.randint(vocab, (7,), generator=generator).tolist(),
+                              torch.randint(vocab, (row % 5,), generator=generator).tolist(), stop_ids)
+                 for row in range(len(ADJUSTMENTS))]
+    rows = list(range(1, len(ADJUSTMENTS) + 1))  # row 0 is not adjusted and must stay as it was
+    adjusted = adjust_logits(logits.bfloat16(), ADJUSTMENTS, histories, rows)
+    assert adjusted.dtype == torch.float32
+    assert torch.equal(adjusted[0], logits.bfloat16()[0].float())
+    for row, params, history in zip(rows, ADJUSTMENTS, histories):
+        ids = torch.tensor([[*history.prompt_token_ids, *history.output_token_ids]])
+        processors = reference_processors(params, len(history.prompt_token_ids), stop_ids)
+        expected = processors(ids, logits.bfloat16()[row:row + 1].float().clone())[0]
+        torch.testing.assert_close(adjusted[row], expected, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(adjusted[row], logits.bfloat16()[row].float())  # the row did change
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {1: 101}}, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+])
+def test_invalid_adjustments_are_refused_naming_the_field(fields, field):
+    with pytest.raises(InvalidRequestError, match=f"^{field} "):
+        SamplingParams(**fields)
+
+
+def test_engine_with_adjustments_matches_transformers_generate(llm_fp32, hf_model):
+    """One batch, each request with its own adjustments (one without any), greedy, against
+    transformers' greedy generate with the reference processors."""
+    prompts = ["The cat sat on the mat. The cat sat on the mat. The cat", "List the numbers: 1, 2, 3,",
+               "Write one word:", "Repeat after me: apple apple apple apple"]
+    params = [SamplingParams(temperature=0, max_tokens=12, **fields) for fields in (
+        {"repetition_penalty": 1.5}, {"frequency_penalty": 2.0, "presence_penalty": 2.0},
+        {"min_tokens": 10, "logit_bias": {28: 3.0}}, {})]
+    outputs = llm_fp32.generate(prompts, params)
+    stop_ids = list(llm_fp32.engine.model_config.eos_token_ids)
+    plain = llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    for prompt, p, output, unadjusted in zip(prompts, params, outputs, plain):
+        ids = torch.tensor([llm_fp32.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            reference = hf_model.generate(ids, max_new_tokens=12, do_sample=False, num_beams=1,
+                                          logits_processor=reference_processors(p, ids.shape[1], stop_ids),
+                                          eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+        expected = reference[0, ids.shape[1]:].tolist()
+        assert output.token_ids == expected, prompt
+        if p.adjusts_logits:
+            assert output.token_ids != unadjusted.token_ids, f"{prompt}: the adjustment changed nothing"
+    assert len(outputs[2].token_ids) >= 10  # min_tokens held EOS back
