@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 
 from tests.helpers import Server, kv_bytes
@@ -207,18 +208,49 @@ def test_forced_tool_calls_parse_and_round_trip(server):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
-def test_streamed_tool_calls(server):
+def test_streamed_tool_calls_arrive_in_argument_pieces_and_match_the_whole_reply(server):
+    client, messages = server.client(), ask("Weather in Rome?")
+    fields = dict(model=server.model, messages=messages, tools=[WEATHER, ADD], tool_choice="required", temperature=0,
+                  max_tokens=60)
+    whole = client.chat.completions.create(**fields).choices[0]
+    pieces = []
+    with client.chat.completions.stream(**fields) as stream:  # the SDK's helper accumulates the deltas
+        for event in stream:
+            if event.type == "chunk":
+                pieces += [c for choice in event.chunk.choices for c in choice.delta.tool_calls or []]
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
+           [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert len(pieces) > 2 and pieces[0].id and pieces[0].function.name == whole.message.tool_calls[0].function.name
+    assert all(p.index == 0 and p.id is None for p in pieces[1:])  # arguments as several deltas of call 0
+
+
+def test_with_tools_attached_text_streams_token_by_token(server):
     client = server.client()
-    stream = client.chat.completions.create(model=server.model, messages=ask("Weather in Rome?"), tools=[WEATHER],
-                                            tool_choice="required", temperature=0, max_tokens=60, stream=True)
-    calls, finish = [], None
-    for chunk in stream:
-        for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
-            finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name == "get_weather" and calls[0].index == 0
-    assert "city" in json.loads(calls[0].function.arguments)
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=ask("Write two sentences about the sea."), tools=[WEATHER], tool_choice="auto",
+        temperature=0, max_tokens=30, stream=True))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(contents) > 5  # not one chunk at the end
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content  # with the 1st token
+    whole = client.chat.completions.create(model=server.model, messages=ask("Write two sentences about the sea."),
+                                           tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=30)
+    assert "".join(contents) == whole.choices[0].message.content
+
+
+def test_tool_choice_none_never_returns_call_markup(server):
+    client = server.client()
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = ask("Weather in Oslo, then in Rome?") + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 8 degrees."},
+        {"role": "user", "content": "Now call get_weather for Rome."}]
+    for tools in ([WEATHER], None):
+        reply = client.chat.completions.create(model=server.model, messages=history, tools=tools, tool_choice="none"
+                                               if tools else openai.NOT_GIVEN, temperature=0, max_tokens=60)
+        assert "<tool_call>" not in (reply.choices[0].message.content or "")
+        assert not reply.choices[0].message.tool_calls
 
 
 def test_n_choices_share_the_prompt_and_differ_by_seed(server):

@@ -42,7 +42,6 @@ from tokendance.server.protocol import (
     CompletionRequest,
     RoundRequest,
     chat_logprobs,
-    chat_message,
     chat_response,
     choice_params,
     completion_logprobs,
@@ -51,7 +50,8 @@ from tokendance.server.protocol import (
     round_response,
     usage,
 )
-from tokendance.server.tools import render_messages
+from tokendance.server.tool_stream import ToolCallStream
+from tokendance.server.tools import OPEN, render_messages
 from tokendance.server.sink import Sink
 from tokendance.server.streaming import EventStream, TextDeltas, events
 
@@ -148,6 +148,8 @@ class Api:
         messages = render_messages(body.chat_messages(), tools)
         params = body.sampling_params(None, max_tokens=body.max_completion_tokens, structured=structured,
                                       logprobs=body.num_logprobs())
+        if tools is None and (body.tools or any(m.tool_calls for m in body.messages)):
+            params = dataclasses.replace(params, stop=[*params.stop_strings, OPEN])  # no call markup as content
         key, namespace = f"chatcmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         sink = Sink(key, body.n)
         if body.n == 1:
@@ -283,14 +285,14 @@ class Api:
         self._observe(sink, started)
         return outputs
 
-    def _stream(self, sink: Sink, started: float, stops: tuple[str, ...], render, first, tail) -> EventStream:
+    def _stream(self, sink: Sink, started: float, stops: tuple[str, ...], render, tail) -> EventStream:
         def on_close() -> None:
             if sink.done:
                 self._observe(sink, started)
             else:
                 self.loop.abort(sink)
 
-        return EventStream(events(sink, TextDeltas(stops), render, first, tail), on_close)
+        return EventStream(events(sink, TextDeltas(stops), render, tail), on_close)
 
     def _observe(self, sink: Sink, started: float) -> None:
         now = time.perf_counter()
@@ -299,10 +301,12 @@ class Api:
             self.metrics.observe("tokendance_time_to_first_token_seconds", sink.first_output_time - started)
 
     def _chat_chunks(self, key: str, sink: Sink, body: ChatCompletionRequest, tools):
-        """Content deltas as they come (with the logprobs of their tokens); with tools, the reply is
-        held until it finished and sent in one delta, its calls parsed into `tool_calls`."""
+        """Content deltas as they come (with the logprobs of their tokens); with tools, tool calls
+        are cut out of the content and their arguments stream as `tool_calls` deltas."""
         created, model = int(time.time()), self.config.model_name
         reported: dict[int, int] = {}  # tokens whose logprobs went out, per choice
+        streams: dict[int, ToolCallStream] = {}
+        opened: set[int] = set()
 
         def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
             return {"id": key, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -310,21 +314,24 @@ class Api:
                                  "finish_reason": finish_reason}]}
 
         def render(index: int, text: str, output: RequestOutput) -> dict | None:
-            if tools is not None:
-                if not output.finished:
-                    return None
-                message, finish_reason = chat_message(output, tools)
-                body = chunk(index, {k: v for k, v in message.items() if k != "role" and v is not None},
-                             finish_reason)
-                for position, call in enumerate(message.get("tool_calls", [])):
-                    call["index"] = position
+            logprobs, finish_reason = None, output.finish_reason
+            if output.logprobs:
+                done = reported.get(index, 0)
+                reported[index] = len(output.logprobs)
+                logprobs = chat_logprobs(output.logprobs[done:], self._token_text, self._hidden)
+            if tools is None:
+                delta = {"content": text} if text else {}
             else:
-                logprobs = None
-                if output.logprobs:
-                    done = reported.get(index, 0)
-                    reported[index] = len(output.logprobs)
-                    logprobs = chat_logprobs(output.logprobs[done:], self._token_text, self._hidden)
-                body = chunk(index, {"content": text} if text else {}, output.finish_reason, logprobs)
+                stream = streams.setdefault(index, ToolCallStream(tools))
+                delta = stream.feed(text, output.finished)
+                if not delta and not output.finished and not logprobs:
+                    return None  # held back: it may be the start of a call
+                if stream.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            if index not in opened:  # a choice's first chunk carries the role with its first text
+                opened.add(index)
+                delta = {"role": "assistant", "content": "", **delta}
+            body = chunk(index, delta, finish_reason, logprobs)
             if output.finished and 0 in sink.round_info:
                 body["round"] = sink.round_info[0]
             return body
@@ -332,9 +339,8 @@ class Api:
         def tail(outputs):
             return {**chunk(0, {}), "choices": [], "usage": usage(outputs, len(outputs))}
 
-        first = [chunk(i, {"role": "assistant", "content": ""}) for i in range(body.n)]
         include_usage = body.stream_options and body.stream_options.include_usage
-        return render, first, tail if include_usage else None
+        return render, tail if include_usage else None
 
     def _completion_chunks(self, key: str, body: CompletionRequest):
         created, model = int(time.time()), self.config.model_name
@@ -355,7 +361,7 @@ class Api:
             def tail(outputs):
                 return {"id": key, "object": "text_completion", "created": created, "model": model,
                         "choices": [], "usage": usage(outputs, body.n)}
-        return render, [], tail
+        return render, tail
 
 
 def _namespace(request: Request, cache_salt: str | None) -> str:

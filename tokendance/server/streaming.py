@@ -35,14 +35,12 @@ class TextDeltas:
 Render = Callable[[int, str, RequestOutput], dict | None]  # None: nothing to send yet
 
 
-async def events(sink: Sink, deltas: TextDeltas, render: Render, first: list[dict] = (),
+async def events(sink: Sink, deltas: TextDeltas, render: Render,
                  tail: Callable[[list[RequestOutput]], dict] | None = None) -> AsyncIterator[str]:
-    """The `first` events (the role chunks), then one event per choice that got new text or
-    finished, then `tail(outputs)` (the usage chunk), then [DONE]. An engine error becomes an
-    error event. The `first` events go out with the first generated text, not before the prefill:
-    a client that times its first token at the first chunk (vLLM's `bench serve` does) measures
-    the real time to first token."""
-    pending = [sse(event) for event in first]
+    """One event per choice that got new text or finished, then `tail(outputs)` (the usage
+    chunk), then [DONE]. An engine error becomes an error event. Nothing goes out before the first
+    generated text: a client that times its first token at the first chunk (vLLM's `bench serve`
+    does) measures the real time to first token."""
     try:
         async for changed in sink.updates():
             for index in changed:
@@ -51,15 +49,10 @@ async def events(sink: Sink, deltas: TextDeltas, render: Render, first: list[dic
                 if text or output.finished:
                     event = render(index, text, output)
                     if event is not None:
-                        for chunk in pending:
-                            yield chunk
-                        pending = []
                         yield sse(event)
     except ApiError as error:
         yield sse(error.body())
     else:
-        for chunk in pending:
-            yield chunk
         if tail is not None:
             yield sse(tail([sink.outputs[i] for i in range(sink.num_choices)]))
     yield sse("[DONE]")

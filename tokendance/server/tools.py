@@ -136,21 +136,33 @@ def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls") -> str:
 
 
 def parse_tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
-    """(content outside the calls or None, OpenAI tool_calls) of a reply. A block that is not a
-    call of a known tool with object arguments stays in the content."""
-    names = {f["name"] for f in tools.functions}
+    """(content outside the calls or None, OpenAI tool_calls) of a reply; whitespace next to a
+    call is dropped. A block that is not a call of a known tool with object arguments stays in
+    the content."""
     calls, kept, last = [], [], 0
     for match in CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
+        call = tool_call(match.group(1), tools)
+        if call is None:
             continue
-        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments", {}), dict):
-            continue
-        kept.append(text[last:match.start()])
+        kept.append(text[last:match.start()].rstrip())
         last = match.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+        while last < len(text) and text[last].isspace():
+            last += 1
+        calls.append(call)
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    content = "".join(kept)
     return (content or None) if calls else text, calls
+
+
+def tool_call(body: str, tools: Tools) -> dict | None:
+    """The OpenAI tool call written in a block's body, or None if it is not a known tool's call."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in {f["name"] for f in tools.functions}:
+        return None
+    if not isinstance(call.get("arguments", {}), dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}
