@@ -31,6 +31,16 @@ def make_llm(loaded_model):
 
 
 @pytest.fixture(scope="session")
+def plain_server():
+    """A `tokendance serve` process that forms no rounds by itself (no gather window)."""
+    from tests.helpers import Server, kv_bytes
+
+    server = Server("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(8736))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """transformers' own GGUF loader and Llama implementation: the independent reference."""
     from transformers import AutoModelForCausalLM, GgufConfig

@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import Server, kv_bytes
 from tokendance import SamplingParams
 from tokendance.errors import InvalidRequestError
 from tokendance.structured import StructuredOutput
@@ -160,10 +159,8 @@ ADD = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(8736))
-    yield s
-    s.stop()
+def server(plain_server):
+    return plain_server
 
 
 def test_response_format_json_schema_and_json_object(server):

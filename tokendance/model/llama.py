@@ -8,6 +8,7 @@ attention is split per request.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 from tokendance.config import ModelConfig
 from tokendance.model import kernels
+
+logger = logging.getLogger("tokendance")
 
 
 @dataclass
@@ -164,6 +167,11 @@ class LlamaModel:
         self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
         self.read_keys = FusedKeyReader()
         fits = kernels.supports(config.num_kv_heads, config.num_heads, config.head_dim)
+        if not fits:
+            logger.info("the paged decode kernel takes at most %d KV heads, %d queries per KV head and head size %d: "
+                        "decode attention of this model (%d KV heads, %d heads, head size %d) runs in eager ops",
+                        kernels.MAX_KV_HEADS, kernels.MAX_GROUP, kernels.MAX_DIM, config.num_kv_heads,
+                        config.num_heads, config.head_dim)
         self.decode_kernel = PagedDecodeKernel.load(self) if torch.device(device).type == "cpu" and fits else None
         self.decode_reads = DecodeReads()
 

@@ -41,19 +41,23 @@ from tokendance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RoundRequest,
-    chat_logprobs,
     chat_response,
     choice_params,
-    completion_logprobs,
     completion_response,
     echo,
     round_response,
-    usage,
 )
-from tokendance.server.tool_stream import ToolCallStream
 from tokendance.server.tools import OPEN, render_messages
+from tokendance.server.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    final_status,
+    output_items,
+    response_body,
+    response_param,
+)
 from tokendance.server.sink import Sink
-from tokendance.server.streaming import EventStream, TextDeltas, events
+from tokendance.server.streaming import EventStream, TextDeltas, chat_chunks, completion_chunks, events
 
 log = logging.getLogger("tokendance.server")
 UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
@@ -79,6 +83,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.get("/v1/models/{model:path}")(api.model)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
+    app.post("/v1/responses")(api.responses)
     app.post("/v1/rounds")(api.rounds)
     app.delete("/v1/agents/{agent_id:path}")(api.end_agent)  # any id, "/" included, can be deleted
     app.add_exception_handler(ApiError, _api_error)
@@ -131,7 +136,36 @@ class Api:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         started = time.perf_counter()
-        self._check(body)
+        self._check_model(body.model)
+        key = f"chatcmpl-{uuid.uuid4().hex}"
+        sink, params, tools = await self._start_chat(body, request, key)
+        if body.stream:
+            render, tail = chat_chunks(key, self.config.model_name, sink, body, tools, self._token_text, self._hidden)
+            return self._stream(sink, started, params.stop_strings, render, tail)
+        outputs = await self._collect(request, sink, started)
+        return chat_response(key, self.config.model_name, outputs, sink.round_info.get(0), tools, self._token_text,
+                             self._hidden)
+
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat pipeline (stateless)."""
+        started = time.perf_counter()
+        self._check_model(body.model)
+        body.check_supported()
+        key = f"resp_{uuid.uuid4().hex}"
+        try:
+            sink, params, tools = await self._start_chat(body.chat_request(), request, key)
+        except ApiError as exc:
+            exc.param = response_param(exc.param)
+            raise
+        if body.stream:
+            stream = ResponseEvents(key, body, tools)
+            return self._stream(sink, started, params.stop_strings, stream.render, None, stream.head())
+        (output,) = await self._collect(request, sink, started)
+        return response_body(key, body, int(time.time()), final_status(output), output_items(output, tools), output)
+
+    async def _start_chat(self, body: ChatCompletionRequest, request: Request, key: str):
+        """Validate a chat request and hand it to the engine thread: (sink, params, tools)."""
+        body.check_supported()
         self.admission.claim(request.scope, body.n)
         if body.round_size is not None and body.round_id is None:
             raise ApiError(400, "round_size needs a round_id", param="round_size")
@@ -150,7 +184,7 @@ class Api:
                                       logprobs=body.num_logprobs())
         if tools is None and (body.tools or any(m.tool_calls for m in body.messages)):
             params = dataclasses.replace(params, stop=[*params.stop_strings, OPEN])  # no call markup as content
-        key, namespace = f"chatcmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
+        namespace = _namespace(request, body.cache_salt)
         sink = Sink(key, body.n)
         if body.n == 1:
             prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
@@ -164,11 +198,7 @@ class Api:
                 lambda: [self._chat_request(messages, choice_params(params, i), f"{key}-{i}", namespace, group=key)
                          for i in range(body.n)], "messages")
             self.loop.submit(GenerateJob(requests, sink, share_prompt=True))
-        if body.stream:
-            return self._stream(sink, started, params.stop_strings, *self._chat_chunks(key, sink, body, tools))
-        outputs = await self._collect(request, sink, started)
-        return chat_response(key, self.config.model_name, outputs, sink.round_info.get(0), tools, self._token_text,
-                             self._hidden)
+        return sink, params, tools
 
     async def completions(self, body: CompletionRequest, request: Request):
         started = time.perf_counter()
@@ -187,7 +217,8 @@ class Api:
         sink = Sink(key, len(requests))
         self.loop.submit(GenerateJob(requests, sink, share_prompt=n > 1))
         if body.stream:
-            return self._stream(sink, started, params.stop_strings, *self._completion_chunks(key, body))
+            render, tail = completion_chunks(key, self.config.model_name, body, self._token_text, self._hidden)
+            return self._stream(sink, started, params.stop_strings, render, tail)
         outputs = await self._collect(request, sink, started)
         return completion_response(key, self.config.model_name, outputs, n, self._token_text, self._hidden)
 
@@ -285,83 +316,20 @@ class Api:
         self._observe(sink, started)
         return outputs
 
-    def _stream(self, sink: Sink, started: float, stops: tuple[str, ...], render, tail) -> EventStream:
+    def _stream(self, sink: Sink, started: float, stops: tuple[str, ...], render, tail, head=()) -> EventStream:
         def on_close() -> None:
             if sink.done:
                 self._observe(sink, started)
             else:
                 self.loop.abort(sink)
 
-        return EventStream(events(sink, TextDeltas(stops), render, tail), on_close)
+        return EventStream(events(sink, TextDeltas(stops), render, head, tail), on_close)
 
     def _observe(self, sink: Sink, started: float) -> None:
         now = time.perf_counter()
         self.metrics.observe("tokendance_request_latency_seconds", now - started)
         if sink.first_output_time is not None:
             self.metrics.observe("tokendance_time_to_first_token_seconds", sink.first_output_time - started)
-
-    def _chat_chunks(self, key: str, sink: Sink, body: ChatCompletionRequest, tools):
-        """Content deltas as they come (with the logprobs of their tokens); with tools, tool calls
-        are cut out of the content and their arguments stream as `tool_calls` deltas."""
-        created, model = int(time.time()), self.config.model_name
-        reported: dict[int, int] = {}  # tokens whose logprobs went out, per choice
-        streams: dict[int, ToolCallStream] = {}
-        opened: set[int] = set()
-
-        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-            return {"id": key, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish_reason}]}
-
-        def render(index: int, text: str, output: RequestOutput) -> dict | None:
-            logprobs, finish_reason = None, output.finish_reason
-            if output.logprobs:
-                done = reported.get(index, 0)
-                reported[index] = len(output.logprobs)
-                logprobs = chat_logprobs(output.logprobs[done:], self._token_text, self._hidden)
-            if tools is None:
-                delta = {"content": text} if text else {}
-            else:
-                stream = streams.setdefault(index, ToolCallStream(tools))
-                delta = stream.feed(text, output.finished)
-                if not delta and not output.finished and not logprobs:
-                    return None  # held back: it may be the start of a call
-                if stream.num_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-            if index not in opened:  # a choice's first chunk carries the role with its first text
-                opened.add(index)
-                delta = {"role": "assistant", "content": "", **delta}
-            body = chunk(index, delta, finish_reason, logprobs)
-            if output.finished and 0 in sink.round_info:
-                body["round"] = sink.round_info[0]
-            return body
-
-        def tail(outputs):
-            return {**chunk(0, {}), "choices": [], "usage": usage(outputs, len(outputs))}
-
-        include_usage = body.stream_options and body.stream_options.include_usage
-        return render, tail if include_usage else None
-
-    def _completion_chunks(self, key: str, body: CompletionRequest):
-        created, model = int(time.time()), self.config.model_name
-        reported: dict[int, tuple[int, int]] = {}  # per choice: tokens whose logprobs went out, text offset
-
-        def render(index: int, text: str, output: RequestOutput) -> dict:
-            logprobs = None
-            if output.logprobs:
-                done, offset = reported.get(index, (0, 0))
-                logprobs = completion_logprobs(output.logprobs[done:], self._token_text, offset, self._hidden)
-                reported[index] = (len(output.logprobs), offset + sum(map(len, logprobs["tokens"])))
-            return {"id": key, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": output.finish_reason}]}
-
-        tail = None
-        if body.stream_options and body.stream_options.include_usage:
-            def tail(outputs):
-                return {"id": key, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": usage(outputs, body.n)}
-        return render, tail
 
 
 def _namespace(request: Request, cache_salt: str | None) -> str:

@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse
 from tokendance.server.config import ServerConfig
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
+from tokendance.server.routing import GENERATION_PATHS
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/rounds")
 OPEN_PATHS = ("/health", "/metrics")  # what needs no API key
 KNOWN_PATHS = GENERATION_PATHS + ("/v1/models", "/health", "/metrics")
 MAX_DRAIN_FACTOR = 8  # an oversized body is read (and dropped) up to this many times the limit

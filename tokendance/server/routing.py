@@ -40,10 +40,13 @@ class Route:
     replica: int | None = None
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/rounds")
+
+
 def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
     """The route of an HTTP request, from its body's routing fields (a body that is not JSON, or
     not an object, routes anywhere: the replica answers its error)."""
-    if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions", "/v1/rounds"):
+    if method != "POST" or path not in GENERATION_PATHS:
         return Route("any")
     try:
         data = json.loads(body)
@@ -68,8 +71,13 @@ def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
 
 
 def _opening(data: dict) -> str:
-    """The first characters of a request's prompt: its messages' texts, or its prompt."""
+    """The first characters of a request's prompt: its messages' texts (a response's
+    instructions and input items), or its prompt."""
     messages, parts = data.get("messages"), []
+    if "input" in data:
+        instructions, items = data.get("instructions"), data.get("input")
+        messages = [{"content": instructions}] * isinstance(instructions, str) + (
+            items if isinstance(items, list) else [{"content": items}])
     if isinstance(messages, list):
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
