@@ -90,7 +90,7 @@ def test_bench_writes_every_field_the_plots_use(tmp_path):
 
 
 def test_capacity_trial_judges_memory(loaded_model):
-    roomy = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-budget-mb", "256", "--slo-seconds", "1e9")
+    roomy = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-cache-bytes", "256M", "--slo-seconds", "1e9")
     trial = run_trial(loaded_model, "tokendance", 2, roomy)
     assert trial.fits and trial.preemptions == 0 and trial.evictions == 0 and len(trial.round_seconds) == 2
     # two agents' prompts (~1,000 tokens each) cannot both stay resident in ~600 tokens of KV

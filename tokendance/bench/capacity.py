@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from tokendance.bench.cli import CAPACITY_KV_BYTES, kv_bytes
 from tokendance.bench.simulation import Simulation, warm_up
 from tokendance.errors import CapacityError
 from tokendance.llm import LLM
@@ -77,7 +78,7 @@ class Trial:
 def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
     """Run the workload with `num_agents` in `mode` under the budget and judge whether it fits."""
     workload = make_workload(args.workload, num_agents, seed=args.seed, order=args.order)
-    llm = LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=int(args.kv_budget_mb * 2**20),
+    llm = LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=kv_bytes(args) or CAPACITY_KV_BYTES,
               recompute_ratio=args.ratio, selection=args.selection)
     warm_up([llm])
     evictions_before = llm.engine.stats().num_evictions
@@ -161,7 +162,7 @@ def run_capacity(args) -> int:
 
 
 def format_capacity(modes: dict, args) -> str:
-    lines = [f"KV budget {args.kv_budget_mb:g} MB, round SLO {args.slo_seconds:g} s, {args.workload}, {args.rounds} rounds"]
+    lines = [f"KV budget {(kv_bytes(args) or CAPACITY_KV_BYTES) / 2**20:g} MiB, round SLO {args.slo_seconds:g} s, {args.workload}, {args.rounds} rounds"]
     for mode, r in modes.items():
         lines.append(f"  {mode:<11} max agents {r['max_agents']}")
     td, prefix = modes.get("tokendance"), modes.get("prefix")

@@ -1,7 +1,7 @@
 """`tokendance bench [rounds|capacity]`: a workload against the reuse modes side by side.
 
     tokendance bench --workload generative-agents --agents 4 8 16 --rounds 4      # modes side by side
-    tokendance bench capacity --kv-budget-mb 96 --slo-seconds 8                   # max resident agents
+    tokendance bench capacity --kv-cache-bytes 96M --slo-seconds 8                # max resident agents
     tokendance bench --target http://127.0.0.1:8000/v1 --agents 8                 # any OpenAI-compatible server
 
 This module only builds the parser; the work is imported when a command runs.
@@ -12,6 +12,13 @@ from __future__ import annotations
 import argparse
 
 from tokendance.config import REUSE_MODES
+from tokendance.server.cli import parse_bytes
+
+CAPACITY_KV_BYTES = 160 * 2**20  # capacity's default budget
+
+
+def mebibytes(text: str) -> int:
+    return int(float(text) * 2**20)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,18 +40,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on every agent's output length")
-    parser.add_argument("--ratio", type=float, default=0.05,
-                        help="recompute ratio of pic and tokendance (serve's --recompute-ratio)")
+    parser.add_argument("--recompute-ratio", "--ratio", dest="ratio", type=float, default=0.05,
+                        help="share of each reused span's tokens recomputed, in pic and tokendance (as serve's)")
     parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"],
                         help="which tokens of a reused span are recomputed")
-    parser.add_argument("--kv-cache-mb", type=int, default=None,
-                        help="KV pool per engine (default: every agent's prompts privately, x1.3)")
+    parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                        help="KV pool per engine, e.g. 256M, as serve's (default: rounds, every agent's prompts "
+                             f"privately x1.3; capacity, {CAPACITY_KV_BYTES >> 20}M, the fixed budget)")
+    parser.add_argument("--kv-cache-mb", "--kv-budget-mb", dest="kv_cache_bytes", type=mebibytes, metavar="MIB",
+                        default=argparse.SUPPRESS, help="--kv-cache-bytes in MiB (the older names)")
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3],
                         help="fidelity-vs-ratio sweep of tokendance at --sweep-agents (none: skip)")
     parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"],
                         help="selection policies of the sweep")
     parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's simulation")
-    parser.add_argument("--kv-budget-mb", type=float, default=160.0, help="capacity: the fixed KV memory budget")
     parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")
     parser.add_argument("--max-agents", type=int, default=64, help="capacity: upper end of the search")
     parser.add_argument("--target", default=None, metavar="URL",
@@ -57,6 +66,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --target: send this cache_salt (one per simulation keeps simulations apart)")
     parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
+
+
+def kv_bytes(args) -> int | None:
+    """The KV pool the bench was given, None for its default ("auto" included)."""
+    return None if args.kv_cache_bytes in (None, "auto") else args.kv_cache_bytes
 
 
 def run_bench(args) -> int:

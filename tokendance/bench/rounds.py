@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tokendance.bench import report
+from tokendance.bench.cli import kv_bytes
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.config import REUSE_MODES
 from tokendance.llm import LLM
@@ -67,7 +68,7 @@ def run_rounds(args) -> int:
 
 def make_engines(loaded, workload, variants: dict[str, dict], args) -> dict[str, LLM]:
     """One engine per variant (label -> engine arguments), all over the same loaded weights."""
-    budget = int(args.kv_cache_mb * 2**20) if args.kv_cache_mb else kv_budget(loaded, workload, args.rounds, args.dtype)
+    budget = kv_bytes(args) or kv_budget(loaded, workload, args.rounds, args.dtype)
     common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
     engines = {label: LLM(loaded, **{**common, **extra}) for label, extra in variants.items()}
     warm_up(list(engines.values()))
