@@ -89,53 +89,80 @@ def format_summary(rows: list[dict], from_round: int = 3) -> str:
     return "\n".join(lines)
 
 
-def plot_scaling(rows: list[dict], path: Path, from_round: int = 3) -> None:
-    """Round latency and KV bytes per agent against the number of agents, one line per mode."""
+STYLES = {"full": ("o", "-"), "prefix": ("s", "--"), "pic": ("^", ":"), "tokendance": ("D", "-")}  # marker, line
+
+
+def mode_order(modes) -> list[str]:
+    """Modes in the order of REUSE_MODES; any other name after them, alphabetically."""
+    from tokendance.config import REUSE_MODES
+
+    return sorted(modes, key=lambda m: (REUSE_MODES.index(m) if m in REUSE_MODES else len(REUSE_MODES), m))
+
+
+def caption(workload: str, agents: list[int], rounds: str, loop: str, machine: dict) -> str:
+    """What a figure needs to be read alone: the workload, its size, the loop, the dtype and CPU."""
+    return (f"{workload}, N = {', '.join(map(str, agents))} agents, {rounds}, {loop} loop, "
+            f"{machine['dtype']} on a {machine['cpu_capability']} CPU")
+
+
+def plot_scaling(rows: list[dict], path: Path, title: str, from_round: int = 3) -> None:
+    """Round latency and KV bytes per agent against the number of agents, one line per mode
+    (each its own marker and dashes: modes with equal values stay visible), both axes from 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     means = steady_state(rows, from_round)
-    modes = sorted({m for _, m in means}, key=["full", "prefix", "pic", "tokendance"].index)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in modes:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for mode in mode_order({m for _, m in means}):
         ns = sorted(n for n, m in means if m == mode)
-        left.plot(ns, [means[(n, mode)]["round_seconds"] for n in ns], marker="o", label=mode)
-        right.plot(ns, [means[(n, mode)]["kv_bytes_per_agent"] / MB for n in ns], marker="o", label=mode)
-    workload = rows[0]["workload"]
-    left.set(xlabel="agents", ylabel="round latency (s)", title=f"{workload}: round latency")
-    right.set(xlabel="agents", ylabel="KV MB per agent", title=f"{workload}: KV per agent")
+        marker, line = STYLES.get(mode, ("x", "-."))
+        style = dict(marker=marker, linestyle=line, label=mode, markerfacecolor="none", markersize=8)
+        left.plot(ns, [means[(n, mode)]["round_seconds"] for n in ns], **style)
+        right.plot(ns, [means[(n, mode)]["kv_bytes_per_agent"] / MB for n in ns], **style)
+    left.set(xlabel="agents", ylabel="round latency (s)", title="round latency")
+    right.set(xlabel="agents", ylabel="KV MB per agent", title="KV per agent (lines may overlap: see markers)")
     for ax in (left, right):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_fidelity(sweep: list[dict], path: Path) -> None:
-    """Top-1 agreement and KL against `full` vs the recompute ratio, one line per selection."""
+def plot_fidelity(sweep: list[dict], path: Path, title: str, default_ratio: float | None = None) -> None:
+    """Top-1 agreement and KL against `full` vs the recompute ratio, one line per selection, the
+    default ratio marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for selection in sorted({r["selection"] for r in sweep}):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for number, selection in enumerate(sorted({r["selection"] for r in sweep})):
         by_ratio = defaultdict(list)
         for r in sweep:
             if r["selection"] == selection:
                 by_ratio[r["ratio"]].append(r["fidelity"])
         ratios = sorted(by_ratio)
-        left.plot(ratios, [_mean(f["top1_agreement"] for f in by_ratio[x]) for x in ratios], marker="o", label=selection)
-        right.plot(ratios, [_mean(f["mean_kl"] for f in by_ratio[x]) for x in ratios], marker="o", label=selection)
-    left.set(xlabel="recompute ratio", ylabel="top-1 agreement vs full (mean over rounds)", ylim=(0, 1.05))
-    right.set(xlabel="recompute ratio", ylabel="KL(full || tokendance), mean over rounds")
+        style = dict(marker="osD^"[number % 4], linestyle=["-", "--", ":", "-."][number % 4], label=selection)
+        left.plot(ratios, [_mean(f["top1_agreement"] for f in by_ratio[x]) for x in ratios], **style)
+        right.plot(ratios, [_mean(f["mean_kl"] for f in by_ratio[x]) for x in ratios], **style)
+    left.set(xlabel="recompute ratio", ylabel="top-1 agreement vs full (mean over rounds)", ylim=(0, 1.05),
+             title="first-token agreement with full recompute")
+    right.set(xlabel="recompute ratio", ylabel="KL(full || tokendance), mean over rounds",
+              title="first-token KL to full recompute")
+    right.set_ylim(bottom=0)
     for ax in (left, right):
+        if default_ratio is not None:
+            ax.axvline(default_ratio, color="gray", linestyle=":", label=f"default ({default_ratio:g})")
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -58,9 +58,14 @@ def run_rounds(args) -> int:
             bar.write("\n" + report.format_sweep(results["sweep"]))
     if args.plots:
         plots = Path(args.plots)
-        report.plot_scaling(rows, plots / f"{args.workload}-scaling.png")
+        last = max(r["round"] for r in rows)
+        rounds = f"rounds {min(3, last)}-{last} of {args.rounds} averaged" if last > 3 else f"round {last}"
+        report.plot_scaling(rows, plots / f"{args.workload}-scaling.png",
+                            report.caption(args.workload, agent_counts, rounds, args.loop, results["machine"]))
         if results.get("sweep"):
-            report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png")
+            title = report.caption(args.workload, [args.sweep_agents], f"all {args.rounds} rounds", args.loop,
+                                   results["machine"])
+            report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png", title, args.ratio)
         print(f"plots in {plots}/")
     print(f"results in {out}")
     return 0

@@ -1,0 +1,67 @@
+"""The installable wheel: built from the repository with `pip wheel`, installed into a fresh
+virtual environment, and run there, with the machine's C compiler (the decode kernel is built
+from the source the wheel carries) and without one (eager fallback)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+import tokendance
+from tokendance import LLM, SamplingParams
+llm = LLM(dtype="float32")
+(out,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))
+print("module", tokendance.__file__)
+print("kernel", llm.engine.runner.model.decode_kernel is not None)
+print("text", repr(out.text))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv holding only the wheel; the dependencies come from this environment's
+    site-packages through a path file (which does not run this environment's editable install)."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # a copy: an in-tree build would leave build/ in the repository
+    shutil.copytree(ROOT / "tokendance", source / "tokendance", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(root / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (root / "dist").glob("tokendance-*.whl")
+    assert "tokendance/model/kernels/paged_decode.c" in zipfile.ZipFile(wheel).namelist()
+    venv.create(root / "env", with_pip=False)
+    python = root / "env" / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    Path(site, "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    return python
+
+
+@pytest.mark.parametrize("compiler", ["gcc", "no-such-compiler"])
+def test_the_installed_wheel_runs(installed, tmp_path, compiler):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CC": compiler, "TOKENDANCE_CACHE": str(tmp_path)}
+    done = subprocess.run([installed, "-c", RUN], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in
+                 ("module", "kernel", "text"))
+    assert str(installed.parent.parent) in lines["module"]  # the wheel's copy, not the repository's
+    assert ast.literal_eval(lines["text"]).strip()
+    has_gcc = subprocess.run(["which", "gcc"], capture_output=True).returncode == 0
+    assert lines["kernel"] == str(compiler == "gcc" and has_gcc)
+    if compiler != "gcc":
+        assert "no C compiler found" in done.stdout
