@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from tokendance import registry
 from tokendance.errors import TokenDanceError
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -51,12 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=3, help="rounds to run")
     demo.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
     model_help = "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
-    dtype_help = "auto: bfloat16 where the CPU has native bf16, else float32"
-    demo.add_argument("--model", default=None, help=model_help)
-    demo.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=dtype_help)
-    for p in (gen, chat):
+    for p in (gen, chat, demo):
         p.add_argument("--model", default=None, help=model_help)
-        p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=dtype_help)
+        p.add_argument("--dtype", default=registry.DEFAULT_DTYPE, choices=list(registry.DTYPES),
+                       help=registry.describe(registry.DTYPES))
+    for p in (gen, chat):
         p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")

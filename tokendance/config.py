@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokendance import registry
 from tokendance.errors import InvalidRequestError
 
-REUSE_MODES = ("full", "prefix", "pic", "tokendance")  # how rounds reuse shared spans
+REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class EngineConfig:
     `kv_cache_bytes="auto"` is a quarter of the memory available at start, capped at 4 GiB."""
 
     model: str | None = None
-    dtype: str = "auto"
+    dtype: str = registry.DEFAULT_DTYPE
     device: str = "cpu"
     kv_cache_bytes: int | str = "auto"
     block_size: int = 16
@@ -48,17 +49,16 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     # Rounds (LLM.run_round): how shared spans are reused; see tokendance/engine/rounds.py.
-    reuse: str = "prefix"  # "full" | "prefix" | "pic" | "tokendance"
-    recompute_ratio: float = 0.05  # chosen by benchmarks/round.py's sweep (see README)
-    selection: str = "epic"  # "epic" | "cacheblend" | "cacheblend-block"
+    reuse: str = registry.DEFAULT_REUSE  # a name of registry.REUSE_POLICIES
+    recompute_ratio: float = registry.DEFAULT_RECOMPUTE_RATIO
+    selection: str = registry.DEFAULT_SELECTION  # a name of registry.SELECTIONS
     check_layer: int = 1
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise InvalidRequestError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.reuse not in REUSE_MODES:
-            raise InvalidRequestError(f"reuse must be one of {', '.join(REUSE_MODES)}, got {self.reuse!r}")
+        registry.check("dtype", self.dtype, registry.DTYPES)
+        registry.check("reuse", self.reuse, registry.REUSE_POLICIES)
+        registry.check("selection", self.selection, registry.SELECTIONS)
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes != "auto" and (

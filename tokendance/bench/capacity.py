@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tokendance.bench.cli import CAPACITY_KV_BYTES, kv_bytes
+from tokendance.bench.cli import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
 from tokendance.bench.simulation import Simulation, warm_up
 from tokendance.errors import CapacityError
 from tokendance.llm import LLM
@@ -27,9 +27,6 @@ from tokendance.model.loader import load_model
 from tokendance.model.platform import describe_machine, dtype_name
 from tokendance.reuse.segments import common_prefix
 from tokendance.workloads import make_workload
-
-CAPACITY_MODES = ["prefix", "pic", "tokendance"]
-
 
 def find_max_agents(fits: Callable[[int], bool], low: int = 1, high: int = 64) -> tuple[int, dict[int, bool]]:
     """Largest n in [low, high] with fits(n), for a predicate that is true up to some n and false
@@ -132,7 +129,7 @@ def judge(trial: Trial, slo_seconds: float) -> tuple[bool, str]:
 
 def run_capacity(args) -> int:
     loaded = load_model(args.model)
-    modes = args.modes or CAPACITY_MODES
+    modes = args.modes or capacity_modes()
     out = Path(args.out or "benchmarks/results/capacity.json")
     started = time.perf_counter()
     results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},

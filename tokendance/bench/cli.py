@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 
-from tokendance.config import REUSE_MODES
+from tokendance import registry
 from tokendance.server.cli import parse_bytes
 
 CAPACITY_KV_BYTES = 160 * 2**20  # capacity's default budget
+
+
+def capacity_modes() -> list[str]:
+    """The modes the capacity search compares by default: those that keep or share KV."""
+    return [name for name, choice in registry.REUSE_POLICIES.items() if choice.reuses]
 
 
 def mebibytes(text: str) -> int:
@@ -29,20 +34,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, nargs="+", default=None,
                         help="numbers of agents (default: 4 8 16; debate: 3)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per simulation")
-    parser.add_argument("--modes", nargs="+", default=None, choices=REUSE_MODES,
-                        help="reuse modes (default: all four; capacity: prefix pic tokendance)")
+    parser.add_argument("--modes", nargs="+", default=None, choices=list(registry.REUSE_POLICIES),
+                        help="reuse modes (default: all; capacity: those that reuse, "
+                             f"{' '.join(capacity_modes())}): {registry.describe(registry.REUSE_POLICIES)}")
     parser.add_argument("--loop", default="open", choices=["open", "closed"],
                         help="open: fixed synthetic outputs feed the next round; closed: the model's own")
     parser.add_argument("--order", default=None, choices=["same", "shuffle", "exclude-self"],
                         help="order of the shared blocks in each prompt (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default model if omitted)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="auto: bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument("--dtype", default=registry.DEFAULT_DTYPE, choices=list(registry.DTYPES),
+                        help=registry.describe(registry.DTYPES))
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on every agent's output length")
-    parser.add_argument("--recompute-ratio", "--ratio", dest="ratio", type=float, default=0.05,
+    parser.add_argument("--recompute-ratio", "--ratio", dest="ratio", type=float,
+                        default=registry.DEFAULT_RECOMPUTE_RATIO,
                         help="share of each reused span's tokens recomputed, in pic and tokendance (as serve's)")
-    parser.add_argument("--selection", default="epic", choices=["epic", "cacheblend", "cacheblend-block"],
+    parser.add_argument("--selection", default=registry.DEFAULT_SELECTION, choices=list(registry.SELECTIONS),
                         help="which tokens of a reused span are recomputed")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
                         help="KV pool per engine, e.g. 256M, as serve's (default: rounds, every agent's prompts "
@@ -52,6 +59,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3],
                         help="fidelity-vs-ratio sweep of tokendance at --sweep-agents (none: skip)")
     parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"],
+                        choices=list(registry.SELECTIONS),
                         help="selection policies of the sweep")
     parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's simulation")
     parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")

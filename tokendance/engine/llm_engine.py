@@ -29,6 +29,7 @@ from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
 from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
 from tokendance.outputs import RequestOutput
+from tokendance.reuse.policy import policy_class
 from tokendance.sampling import SamplingParams
 
 logger = logging.getLogger("tokendance")
@@ -122,7 +123,7 @@ class LLMEngine:
                     num_blocks, config.block_size, " (auto)" if config.kv_cache_bytes == "auto" else "")
         kv_tensors = KVCacheTensors.allocate(loaded.config, num_blocks * config.block_size, dtype, config.device)
         self.num_kv_tokens = num_blocks * config.block_size  # what the pool holds, all tables together
-        prefix_caching = config.enable_prefix_caching and config.reuse != "full"
+        prefix_caching = config.enable_prefix_caching and policy_class(config.reuse).enables_prefix_caching
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.eos_token_ids)

@@ -19,7 +19,8 @@ from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_
 from tokendance.errors import CapacityError, TokenDanceError
 from tokendance.kv.manager import KVCacheManager, SessionKey
 from tokendance.outputs import RequestOutput
-from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, ReusePolicy, Session, Work
+from tokendance.reuse.policy import ReusePolicy
+from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, Session, Work
 from tokendance.reuse.segments import TokenizedTurn
 
 

@@ -21,12 +21,12 @@ from tokendance.reuse.round_kv import (
     Prefill,
     PrefillReport,
     Ready,
-    ReusePolicy,
     RoundKV,
     Session,
     count_reuse,
     private_positions,
 )
+from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.segments import TokenizedTurn, common_prefix
 
 
@@ -39,9 +39,11 @@ class KVCollector(ReusePolicy):
     prepares_tables = True
     keeps_sessions = True
 
-    def __init__(self, round_kv: RoundKV, scope: str = "agent"):
-        super().__init__("tokendance", round_kv)
-        self.scope = scope
+    name = "tokendance"
+
+    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent"):
+        super().__init__(round_kv)
+        self.scope = collective_scope
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """The agent's session table, cut to the longest prefix its new prompt shares with it.

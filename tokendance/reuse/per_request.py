@@ -10,11 +10,10 @@ from tokendance.reuse.round_kv import (
     AgentPrefill,
     Prefill,
     PrefillReport,
-    ReusePolicy,
-    RoundKV,
     count_reuse,
     private_positions,
 )
+from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.segments import TokenizedTurn
 
 
@@ -26,8 +25,7 @@ class PerRequestReuse(ReusePolicy):
 
     prepares_tables = True
 
-    def __init__(self, round_kv: RoundKV):
-        super().__init__("pic", round_kv)
+    name = "pic"
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """A private table for [0, L-1), its prefix from the prefix cache."""

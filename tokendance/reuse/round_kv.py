@@ -1,7 +1,7 @@
 """The machinery every reuse policy shares: an agent's prompt while its KV is prepared
-(`AgentPrefill`), the KV operations of a round prefill (`RoundKV`), and the policy interface.
+(`AgentPrefill`) and the KV operations of a round prefill (`RoundKV`).
 
-A `ReusePolicy` (one per mode, chosen once) prepares each agent's table before the scheduler
+A `ReusePolicy` (reuse/policy.py; one per mode, chosen once) prepares each agent's table before the scheduler
 computes its last prompt token and decodes: `open_table` (the table starts from what the agent's
 session or the prefix cache holds), `prefill` (all agents of a round together), `finish` (once
 the agent's table is complete, before the scheduler takes it over). Policies are given the KV
@@ -239,31 +239,3 @@ def count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:
             selected = len(agent.selected.get(index, ()))
             report.recomputed_tokens += selected
             report.reused_tokens += span.end - span.start - selected
-
-
-class ReusePolicy:
-    """How a mode prepares a round's tables. The base (`full`, `prefix`) prepares nothing: the
-    scheduler computes whole prompts (with prefix caching in `prefix`)."""
-
-    prepares_tables = False  # False: the scheduler computes whole prompts
-    keeps_sessions = False  # True: agents' tables are kept between rounds (SessionKey)
-
-    def __init__(self, name: str, round_kv: RoundKV):
-        self.name = name
-        self.round_kv = round_kv
-
-    def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
-        """Create the table `request_id` holding what is reusable as a prefix; nothing computed."""
-        raise NotImplementedError
-
-    def prefill(self, agents: list[AgentPrefill]) -> Prefill:
-        """Prepare every agent's table for [0, L-1): a generator of `Work` and `Ready` (every
-        agent is eventually ready, through a `Ready` or a releasing `Work`); returns the report."""
-        yield Ready(agents)
-        return PrefillReport()
-
-    def finish(self, agent: AgentPrefill) -> None:
-        """Once the agent's table covers [0, L-1), before the scheduler takes it over."""
-
-    def end_round(self) -> None:
-        self.round_kv.release_masters()

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from tokendance import registry
 from tokendance.errors import InvalidRequestError
 
 
@@ -79,10 +80,6 @@ class EpicSelector(Selector):
         return self.first_tokens(length)
 
 
-SELECTORS = {"cacheblend": CacheBlendSelector, "cacheblend-block": BlockAwareSelector, "epic": EpicSelector}
-
-
 def make_selector(name: str, ratio: float) -> Selector:
-    if name not in SELECTORS:
-        raise InvalidRequestError(f"selection must be one of {sorted(SELECTORS)}, got {name!r}")
-    return SELECTORS[name](ratio)
+    """The selector registered as `name` (tokendance.registry.SELECTIONS)."""
+    return registry.load(registry.SELECTIONS[registry.check("selection", name, registry.SELECTIONS)])(ratio)

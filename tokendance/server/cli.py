@@ -7,6 +7,8 @@ import argparse
 import os
 import re
 
+from tokendance import registry
+
 SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -26,19 +28,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=int, default=8000, help="port to listen on")
-    add("--reuse", default="tokendance", choices=["full", "prefix", "pic", "tokendance"],
-        help="how rounds reuse shared messages (default: tokendance)")
-    add("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-        help="auto: bfloat16 where the CPU has native bf16, else float32")
+    add("--reuse", default=registry.DEFAULT_REUSE, choices=list(registry.REUSE_POLICIES),
+        help="how rounds reuse shared messages (" + registry.describe(registry.REUSE_POLICIES) + ")")
+    add("--dtype", default=registry.DEFAULT_DTYPE, choices=list(registry.DTYPES), help=registry.describe(registry.DTYPES))
     add("--kv-cache-bytes", type=parse_bytes, default="auto",
         help="KV pool budget, e.g. 512M or 2G (default auto: a quarter of the available memory, at most 4G)")
     add("--max-model-len", type=int, default=None, help="context window cap (default: the model's)")
     add("--max-num-seqs", type=int, default=64, help="requests the scheduler runs at once")
     add("--num-threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    add("--recompute-ratio", type=float, default=None,
-        help="share of each reused span's tokens recomputed in its new context (default: the engine's, 0.05)")
-    add("--selection", default=None, choices=["epic", "cacheblend", "cacheblend-block"],
-        help="which tokens of a reused span are recomputed (default: the engine's, epic)")
+    add("--recompute-ratio", type=float, default=registry.DEFAULT_RECOMPUTE_RATIO,
+        help="share of each reused span's tokens recomputed in its new context")
+    add("--selection", default=registry.DEFAULT_SELECTION, choices=list(registry.SELECTIONS),
+        help="which tokens of a reused span are recomputed (" + registry.describe(registry.SELECTIONS) + ")")
     add("--gather-window-ms", type=float, default=50.0,
         help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,

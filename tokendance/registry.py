@@ -1,0 +1,65 @@
+"""Every name a user chooses, in one place, with its default: reuse policies, token selections,
+dtypes. Cheap to import (the CLIs build their parsers from it); the class behind a name is
+imported when an engine is built (`load`).
+
+Adding a reuse policy: a module with a `ReusePolicy` subclass (tokendance/reuse/policy.py says
+what it implements) and one line in REUSE_POLICIES. `EngineConfig`, `LLM`, `tokendance serve`,
+`tokendance bench` (its modes, table and plot order, capacity search) read the names from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+from tokendance.errors import InvalidRequestError
+
+
+class Choice(NamedTuple):
+    target: str  # "module:Class" implementing it
+    help: str
+    reuses: bool = True  # a reuse policy that keeps or shares KV (the capacity search compares these)
+
+
+REUSE_POLICIES = {  # in the order of tables and plots
+    "full": Choice("tokendance.reuse.policy:FullRecompute", "no reuse: every prompt computed whole", False),
+    "prefix": Choice("tokendance.reuse.policy:PrefixCaching", "prefix caching only (exact)"),
+    "pic": Choice("tokendance.reuse.per_request:PerRequestReuse", "position-independent reuse, agent by agent"),
+    "tokendance": Choice("tokendance.reuse.collector:KVCollector",
+                         "collective reuse (KV Collector) and Master-Mirror storage"),
+}
+SELECTIONS = {  # which tokens of a reused span are recomputed in their new context
+    "epic": Choice("tokendance.reuse.selection:EpicSelector", "the first tokens of each span"),
+    "cacheblend": Choice("tokendance.reuse.selection:CacheBlendSelector",
+                         "the tokens whose values deviate most at the check layer"),
+    "cacheblend-block": Choice("tokendance.reuse.selection:BlockAwareSelector",
+                               "cacheblend, in whole 16-token groups"),
+}
+DTYPES = {
+    "auto": "bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32",
+    "bfloat16": "bfloat16 weights, activations and KV",
+    "float32": "float32 everywhere",
+}
+
+DEFAULT_REUSE = "tokendance"
+DEFAULT_SELECTION = "epic"
+DEFAULT_DTYPE = "auto"
+DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (README, "Fidelity")
+
+
+def check(kind: str, name: str, names) -> str:
+    """`name` if it is one of `names`, else an InvalidRequestError naming the field `kind`."""
+    if name not in names:
+        raise InvalidRequestError(f"{kind} must be one of {', '.join(names)}, got {name!r}")
+    return name
+
+
+def load(choice: Choice):
+    """The class a registered name stands for."""
+    module, name = choice.target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def describe(choices: dict) -> str:
+    """'name: help; ...' for a CLI option's help."""
+    return "; ".join(f"{name}: {c.help if isinstance(c, Choice) else c}" for name, c in choices.items())
