@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)  # every test that does not run the model, in seconds
+	$(PY) -m pytest -q -m "not model and not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

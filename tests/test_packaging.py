@@ -30,7 +30,7 @@ print("text", repr(out.text))
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
+def installed(tmp_path_factory, model_weights) -> Path:
     """A fresh venv holding only the wheel; the dependencies come from this environment's
     site-packages through a path file (which does not run this environment's editable install)."""
     root = tmp_path_factory.mktemp("wheel")

@@ -10,7 +10,14 @@ class TokenDanceError(Exception):
 
 
 class InvalidRequestError(TokenDanceError, ValueError):
-    """The request (prompt, sampling values, ...) is invalid; nothing was scheduled."""
+    """The request (prompt, sampling values, ...) is invalid; nothing was scheduled. `param`
+    names the field at fault when it is a sampling parameter (`SamplingParams`'s name, which the
+    server's API shares); None when it is the prompt or the request as a whole, which the caller
+    knows better."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

@@ -50,7 +50,7 @@ DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (README, "Fidelity
 def check(kind: str, name: str, names) -> str:
     """`name` if it is one of `names`, else an InvalidRequestError naming the field `kind`."""
     if name not in names:
-        raise InvalidRequestError(f"{kind} must be one of {', '.join(names)}, got {name!r}")
+        raise InvalidRequestError(f"{kind} must be one of {', '.join(names)}, got {name!r}", kind)
     return name
 
 

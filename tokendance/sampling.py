@@ -54,50 +54,51 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf,
+        _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1,
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
-        _check(stop is not None and all(isinstance(s, str) and s for s in stop),
+        _check(stop is not None and all(isinstance(s, str) and s for s in stop), "stop",
                f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = tuple(stop)
         ids = _as_list(self.stop_token_ids)
-        _check(ids is not None and all(_is_int(i) and i >= 0 for i in ids),
+        _check(ids is not None and all(_is_int(i) and i >= 0 for i in ids), "stop_token_ids",
                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(ids)
         _check(isinstance(self.return_logits, bool) or (_is_int(self.return_logits) and self.return_logits >= 0),
-               f"return_logits must be a bool or a count >= 0, got {self.return_logits!r}")
+               "return_logits", f"return_logits must be a bool or a count >= 0, got {self.return_logits!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
-        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
                f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         self._check_adjustments()
-        _check(self.structured is None or not self.ignore_eos,
+        _check(self.structured is None or not self.ignore_eos, "ignore_eos",
                "ignore_eos cannot be combined with structured output (a complete output ends with EOS)")
 
     def _check_adjustments(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
-               f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}")
+               "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}")
         bias = {} if self.logit_bias is None else self.logit_bias
         _check(isinstance(bias, Mapping) and len(bias) <= MAX_BIASED_TOKENS
                and all(_is_int(t) and t >= 0 and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in bias.items()),
+               "logit_bias",
                f"logit_bias must map at most {MAX_BIASED_TOKENS} token ids (integers >= 0) to numbers in "
                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         self.logit_bias = dict(bias) or None
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
 
     @property
@@ -113,9 +114,9 @@ class SamplingParams:
 GREEDY_BELOW = 1e-5  # temperatures this small sample the argmax anyway; dividing by them overflows
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
-        raise InvalidRequestError(message)
+        raise InvalidRequestError(message, param)
 
 
 def _as_list(value) -> list | None:

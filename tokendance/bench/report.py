@@ -102,7 +102,7 @@ def mode_order(modes) -> list[str]:
 def caption(workload: str, agents: list[int], rounds: str, loop: str, machine: dict) -> str:
     """What a figure needs to be read alone: the workload, its size, the loop, the dtype and CPU."""
     return (f"{workload}, N = {', '.join(map(str, agents))} agents, {rounds}, {loop} loop, "
-            f"{machine['dtype']} on a {machine['cpu_capability']} CPU")
+            f"{machine['dtype']}, CPU capability {machine['cpu_capability']}")
 
 
 def plot_scaling(rows: list[dict], path: Path, title: str, from_round: int = 3) -> None:

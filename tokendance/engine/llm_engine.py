@@ -181,7 +181,8 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         if any(t >= self.model_config.vocab_size for t in params.logit_bias or ()):
-            raise InvalidRequestError(f"logit_bias names token ids beyond the vocabulary ({self.model_config.vocab_size})")
+            raise InvalidRequestError(f"logit_bias names token ids beyond the vocabulary ({self.model_config.vocab_size})",
+                                      "logit_bias")
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens; the context window is {self.max_model_len} "

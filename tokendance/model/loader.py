@@ -88,9 +88,18 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
 # ---------------------------------------------------------------- GGUF
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
+    """Only the tokenizer (and chat template) of a model: for a GGUF file, read from its metadata
+    without touching the weights."""
+    model_path = default_model_path() if path is None else Path(path)
+    if model_path.is_file():
+        return _gguf_tokenizer(_gguf_metadata(model_path)[1])
+    return load_model(model_path).tokenizer
+
+
+def _gguf_metadata(path: Path):
+    """The file's reader and `get(key, default)` over its metadata."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     try:
         reader = GGUFReader(str(path))
@@ -102,6 +111,27 @@ def _load_gguf(path: Path) -> LoadedModel:
         field = meta.get(key)
         return default if field is None else field.contents()
 
+    return reader, get
+
+
+def _gguf_tokenizer(get) -> ChatTokenizer:
+    tokens = get("tokenizer.ggml.tokens")
+    bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+    backend = tokenizer_from_gguf_metadata(
+        tokens, get("tokenizer.ggml.token_type"), get("tokenizer.ggml.merges", []), get("tokenizer.ggml.pre")
+    )
+    return ChatTokenizer(
+        backend,
+        get("tokenizer.chat_template"),
+        bos_token=None if bos is None else tokens[int(bos)],
+        eos_token=None if eos is None else tokens[int(eos)],
+    )
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    from gguf.quants import dequantize
+
+    reader, get = _gguf_metadata(path)
     arch = get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -140,17 +170,7 @@ def _load_gguf(path: Path) -> LoadedModel:
         if not array.flags.writeable:  # unquantized tensors are read-only views of the mapped file
             array = array.copy()
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-    token_types = get("tokenizer.ggml.token_type")
-    backend = tokenizer_from_gguf_metadata(
-        tokens, token_types, get("tokenizer.ggml.merges", []), get("tokenizer.ggml.pre")
-    )
-    tokenizer = ChatTokenizer(
-        backend,
-        get("tokenizer.chat_template"),
-        bos_token=None if bos is None else tokens[int(bos)],
-        eos_token=None if eos is None else tokens[int(eos)],
-    )
-    return LoadedModel(config, weights, tokenizer, name=path.stem)
+    return LoadedModel(config, weights, _gguf_tokenizer(get), name=path.stem)
 
 
 def _gguf_to_hf_name(name: str) -> str:

@@ -1,5 +1,5 @@
 """Per-request position-independent reuse (`pic`, the CacheBlend baseline): the shared-span
-machinery of `collector.RoundKV` applied one agent at a time."""
+machinery of `round_kv.RoundKV` applied one agent at a time."""
 
 from __future__ import annotations
 

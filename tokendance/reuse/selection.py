@@ -20,7 +20,7 @@ class Selector:
 
     def __init__(self, ratio: float):
         if not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
-            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio!r}", "recompute_ratio")
         self.ratio = float(ratio)
 
     def budget(self, length: int) -> int:

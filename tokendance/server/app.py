@@ -30,7 +30,6 @@ from tokendance.server.engine_loop import (
     GenerateJob,
     RoundJob,
     TurnJob,
-    engine_agent_id,
 )
 from tokendance.server.gate import Admission, Gate
 from tokendance.server.gather import ChatTurn, RoundGatherer
@@ -56,6 +55,7 @@ from tokendance.server.responses import (
     response_body,
     response_param,
 )
+from tokendance.server.routing import agent_key, cache_namespace
 from tokendance.server.sink import Sink
 from tokendance.server.streaming import EventStream, TextDeltas, chat_chunks, completion_chunks, events
 
@@ -125,7 +125,7 @@ class Api:
 
     async def end_agent(self, agent_id: str, request: Request, cache_salt: str = ""):
         """Drop an agent's session (its KV); 404 if it has none."""
-        name = engine_agent_id(_namespace(request, cache_salt), agent_id)
+        name = agent_key(_namespace(request, cache_salt), agent_id)
         running, ended = await self.loop.call(lambda: (self.llm.rounds.is_running(name), self.llm.end_agent(name)))
         if not ended:
             raise ApiError(404, f"agent {echo(agent_id)} has no session", param="agent_id", code="agent_not_found")
@@ -333,9 +333,7 @@ class Api:
 
 
 def _namespace(request: Request, cache_salt: str | None) -> str:
-    """The cache namespace of a request: its `cache_salt`, within its API key's tenant."""
-    tenant = request.scope.get("state", {}).get("tenant")
-    return f"{tenant}/{cache_salt or ''}" if tenant else cache_salt or ""
+    return cache_namespace(request.scope.get("state", {}).get("tenant"), cache_salt)
 
 
 async def _disconnected(request: Request) -> None:

@@ -11,7 +11,6 @@ client left is aborted alone, and a round whose clients all left stops.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import os
@@ -29,16 +28,10 @@ from tokendance.reuse.segments import AgentTurn
 from tokendance.server.gather import ChatTurn, RoundConflictError, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
+from tokendance.server.routing import agent_key
 from tokendance.server.sink import Sink
 
 log = logging.getLogger("tokendance.server")
-
-
-def engine_agent_id(namespace: str, agent_id: str) -> str:
-    """The engine's name for a client's agent: scoped by cache namespace, so tenants that pick the
-    same agent id never share a session."""
-    scope = hashlib.sha256(namespace.encode()).hexdigest()[:16] if namespace else ""
-    return f"agent:{scope}:{agent_id}"
 
 
 @dataclass
@@ -305,7 +298,7 @@ class EngineLoop:
         if not turns:
             return
         agent_ids = [
-            f"anon:{next(self._anonymous)}" if t.agent_id is None else engine_agent_id(t.namespace, t.agent_id)
+            f"anon:{next(self._anonymous)}" if t.agent_id is None else agent_key(t.namespace, t.agent_id)
             for t in turns
         ]
         agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]

@@ -95,7 +95,7 @@ class Gate:
                                                     "<key>')", code="invalid_api_key"))
                 return
             scope.setdefault("state", {})["tenant"] = tenant
-        body = await self._read_body(receive)
+        body = await read_body(receive, self.config.max_body_bytes)
         if body is None:
             return  # the client disconnected while sending
         if isinstance(body, ApiError):
@@ -115,26 +115,28 @@ class Gate:
         finally:
             self.admission.release(scope)
 
-    async def _read_body(self, receive) -> bytes | ApiError | None:
-        """The whole body, or a 413 error (after reading and dropping the rest, so the client
-        gets to read the answer), or None if the client disconnected."""
-        limit, chunks, size = self.config.max_body_bytes, [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            data = message.get("body", b"")
-            size += len(data)
-            if size <= limit:
-                chunks.append(data)
-            if not message.get("more_body", False) or size > MAX_DRAIN_FACTOR * limit:
-                break
-        if size > limit:
-            return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-        return b"".join(chunks)
-
     def _tenant(self, scope) -> str | None:
         return tenant_of([value for name, value in scope["headers"] if name == b"authorization"], self.config.api_keys)
+
+
+async def read_body(receive, limit: int) -> bytes | ApiError | None:
+    """The whole body of an ASGI request, or a 413 error if it is over `limit` bytes (after
+    reading and dropping the rest, so the client gets to read the answer), or None if the client
+    disconnected."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        data = message.get("body", b"")
+        size += len(data)
+        if size <= limit:
+            chunks.append(data)
+        if not message.get("more_body", False) or size > MAX_DRAIN_FACTOR * limit:
+            break
+    if size > limit:
+        return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    return b"".join(chunks)
 
 
 def tenant_of(authorizations: list[bytes], api_keys: tuple[str, ...]) -> str | None:

@@ -146,9 +146,16 @@ def _number(value: float) -> str:
 
 def parse(text: str) -> dict[str, float]:
     """Sample lines of the exposition format as {'name{labels}': value} (for tests and scripts)."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
+    return {series: float(value) for series, value in map(split_sample, text.splitlines())
+            if series and not series.startswith("#")}
+
+
+def split_sample(line: str) -> tuple[str, str]:
+    """A sample line's series ('name{labels}') and its value."""
+    series, _, value = line.rpartition(" ")
+    return series, value
+
+
+def with_label(series: str, label: str) -> str:
+    """A series with one more label ('name{a="1"}' + 'b="2"' -> 'name{a="1",b="2"}')."""
+    return series[:-1] + "," + label + "}" if series.endswith("}") else series + "{" + label + "}"

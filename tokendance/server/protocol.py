@@ -58,9 +58,7 @@ class ApiError(Exception):
             return cls(400, str(exc), param=param, code="context_length_exceeded")
         if isinstance(exc, CapacityError):
             return cls(400, str(exc), param=param, code="kv_capacity_exceeded")
-        words = str(exc).split(" ", 1)
-        field = words[0] if words[0] in SAMPLING_FIELDS else param
-        return cls(400, str(exc), param=field, code="invalid_value")
+        return cls(400, str(exc), param=getattr(exc, "param", None) or param, code="invalid_value")
 
 
 # ---------------------------------------------------------------- requests

@@ -28,7 +28,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tokendance.server.gate import OPEN_PATHS, tenant_of
+from tokendance.server.gate import OPEN_PATHS, read_body, tenant_of
+from tokendance.server.metrics import split_sample, with_label
 from tokendance.server.protocol import ApiError
 from tokendance.server.routing import Placement, Route, route_for
 
@@ -144,12 +145,11 @@ class Ingress:
             if tenant is None:
                 return _error(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                        code="invalid_api_key"))
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.config.max_body_bytes:
-                return _error(ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                                       code="request_too_large"))
+        body = await read_body(request.receive, self.config.max_body_bytes)
+        if body is None:
+            return Response(status_code=499)  # the client left while sending
+        if isinstance(body, ApiError):
+            return _error(body)
         if path == "/metrics":
             return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4")
         if path == "/v1/replicas":
@@ -214,9 +214,8 @@ class Ingress:
                     if line not in family:
                         family.insert(0, line)
                 elif line and family is not None:
-                    name, _, value = line.rpartition(" ")
-                    name = name[:-1] + "," + label + "}" if name.endswith("}") else name + "{" + label + "}"
-                    family.append(f"{name} {value}")
+                    series, value = split_sample(line)
+                    family.append(f"{with_label(series, label)} {value}")
         return "".join(f"{help_line}\n" + "".join(f"{line}\n" for line in lines) for help_line, lines in families.items())
 
     async def _delete(self, request: Request, body: bytes) -> Response:

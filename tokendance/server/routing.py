@@ -40,6 +40,19 @@ class Route:
     replica: int | None = None
 
 
+def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
+    """The cache namespace of a request: its `cache_salt`, within its API key's tenant. Requests
+    in different namespaces never share KV."""
+    return f"{tenant}/{cache_salt or ''}" if tenant else cache_salt or ""
+
+
+def agent_key(namespace: str, agent_id: str) -> str:
+    """The engine's (and the router's) name for a client's agent: scoped by cache namespace, so
+    tenants that pick the same agent id never share a session."""
+    scope = hashlib.sha256(namespace.encode()).hexdigest()[:16] if namespace else ""
+    return f"agent:{scope}:{agent_id}"
+
+
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/rounds")
 
 
@@ -55,14 +68,14 @@ def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
     if not isinstance(data, dict):
         return Route("any")
     salt = data.get("cache_salt")
-    scope = f"{namespace}/{salt if isinstance(salt, str) else ''}"
+    scope = cache_namespace(namespace, salt if isinstance(salt, str) else None)
     if path == "/v1/rounds":
         agents = data.get("agents")
         ids = [a.get("agent_id") for a in agents if isinstance(a, dict)] if isinstance(agents, list) else []
-        names = tuple(f"{scope}|{a}" for a in ids if isinstance(a, str))
+        names = tuple(agent_key(scope, a) for a in ids if isinstance(a, str))
         return Route("round", f"{scope}|round|{'|'.join(sorted(names))}", names)
     agent, round_id = data.get("agent_id"), data.get("round_id")
-    agents = (f"{scope}|{agent}",) if isinstance(agent, str) else ()
+    agents = (agent_key(scope, agent),) if isinstance(agent, str) else ()
     if isinstance(round_id, str):
         return Route("round", f"{scope}|round|{round_id}", agents)
     if agents:

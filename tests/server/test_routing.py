@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import json
 
-from tokendance.server.routing import PREFIX_SLACK, Placement, Route, rendezvous, route_for
+from tokendance.server.routing import (
+    PREFIX_SLACK,
+    Placement,
+    Route,
+    agent_key,
+    cache_namespace,
+    rendezvous,
+    route_for,
+)
 
 REPLICAS = ["r0", "r1", "r2"]
 
@@ -21,10 +29,13 @@ def idle(_replica: str) -> int:
 def test_routes_come_from_the_routing_fields_of_a_body():
     rounds = route_for("POST", "/v1/rounds", body(cache_salt="sim", agents=[{"agent_id": "b"}, {"agent_id": "a"}]), "")
     same = route_for("POST", "/v1/rounds", body(cache_salt="sim", agents=[{"agent_id": "a"}, {"agent_id": "b"}]), "")
-    assert rounds.kind == "round" and rounds.key == same.key and set(rounds.agents) == {"/sim|a", "/sim|b"}
+    sim = cache_namespace(None, "sim")
+    assert rounds.kind == "round" and rounds.key == same.key
+    assert set(rounds.agents) == {agent_key(sim, "a"), agent_key(sim, "b")}  # the engine's names of the agents
     turn = route_for("POST", "/v1/chat/completions", body(cache_salt="sim", agent_id="a", round_id="r1"), "")
-    assert (turn.kind, turn.agents) == ("round", ("/sim|a",))
-    assert route_for("POST", "/v1/chat/completions", body(agent_id="a"), "tenant").key == "tenant/|a"
+    assert (turn.kind, turn.agents) == ("round", (agent_key(sim, "a"),))
+    tenant = route_for("POST", "/v1/chat/completions", body(agent_id="a"), "tenant")
+    assert tenant.key == agent_key(cache_namespace("tenant", None), "a") != agent_key(sim, "a")
     plain = route_for("POST", "/v1/completions", body(prompt="Once upon a time"), "")
     assert plain.kind == "prefix" and plain.key.endswith("Once upon a time")
     assert route_for("POST", "/v1/chat/completions", b"{not json", "").kind == "any"

@@ -66,7 +66,7 @@ def test_closed_loop_round_trip_in_every_mode(make_llm):
     assert per_token["tokendance"] < per_token["prefix"]
 
 
-def test_bench_writes_every_field_the_plots_use(tmp_path):
+def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
     args = bench_args("--agents", "2", "--rounds", "2", "--modes", "prefix", "tokendance", "--max-tokens", "3",
                       "--sweep-ratios", "0", "1", "--sweep-selections", "epic", "--sweep-agents", "2",

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.test_model_reference import LOGIT_ATOL
+from tests.helpers import LOGIT_ATOL
 from tokendance import LLM, SamplingParams
 from tokendance.model import kernels
 from tokendance.model.loader import load_model
@@ -20,11 +20,14 @@ SHAPES = {  # name: (heads, KV heads, head size)
 }
 
 
+pytestmark = pytest.mark.model  # random weights, but a whole model run per shape
+
+
 @pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory, loaded_model):
+def tokenizer_files(tmp_path_factory, tokenizer):
     """The default model's tokenizer, as the folder format stores it."""
     folder = tmp_path_factory.mktemp("tokenizer")
-    loaded_model.tokenizer._tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer._tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))  # ChatML, as SmolLM2
     return folder
 

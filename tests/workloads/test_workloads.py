@@ -33,8 +33,7 @@ def lengths(tokenizer, texts) -> list[int]:
     return [len(tokenizer.encode(t)) for t in texts]
 
 
-def test_generative_agents_lengths_and_structure(loaded_model):
-    tokenizer = loaded_model.tokenizer
+def test_generative_agents_lengths_and_structure(tokenizer):
     w = make_workload("generative-agents", 12, seed=0)
     personas = lengths(tokenizer, w.personas.values())
     assert 120 <= statistics.median(personas) <= 220
@@ -60,8 +59,7 @@ def test_generative_agents_lengths_and_structure(loaded_model):
     assert len(orders) > 1
 
 
-def test_agent_society_structure(loaded_model):
-    tokenizer = loaded_model.tokenizer
+def test_agent_society_structure(tokenizer):
     w = make_workload("agent-society", 10, seed=0)
     assert 180 <= statistics.median(lengths(tokenizer, w.profiles.values())) <= 260
     assert 30 <= statistics.median(lengths(tokenizer, [w.environment(r) for r in range(5)])) <= 50
@@ -82,7 +80,7 @@ def test_agent_society_structure(loaded_model):
     assert all(g > 0 for g in growth)
 
 
-def test_debate_excludes_own_answers(loaded_model):
+def test_debate_excludes_own_answers(tokenizer):
     w = make_workload("debate", 4, seed=0)
     history = synthetic_history(w, 2)
     turns = w.turns(2, history)
@@ -111,12 +109,10 @@ def test_bad_parameters_are_rejected():
         w.turns(2, synthetic_history(w, 1))  # round 2 needs the outputs of rounds 0 and 1
 
 
-def test_chat_segments_cut_one_rendering_as_prefix_renderings_would(loaded_model):
+def test_chat_segments_cut_one_rendering_as_prefix_renderings_would(tokenizer):
     """The linear cut of a chat into message segments (one rendering with sentinels) gives the
     same ids as rendering every prefix of the conversation and taking the differences."""
     from tokendance.reuse.segments import chat_segments, split_lines
-
-    tokenizer = loaded_model.tokenizer
 
     def by_prefixes(messages):
         rendered = [""] + [tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False)

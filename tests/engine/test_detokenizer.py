@@ -21,8 +21,7 @@ class CountingTokenizer:
         return self.tokenizer.decode(token_ids)
 
 
-def test_text_matches_a_full_decode_at_every_step(loaded_model):
-    tokenizer = loaded_model.tokenizer
+def test_text_matches_a_full_decode_at_every_step(tokenizer):
     ids = tokenizer.encode(TEXT)
     detok = IncrementalDetokenizer(tokenizer)
     for end in range(1, len(ids) + 1):
@@ -34,9 +33,9 @@ def test_text_matches_a_full_decode_at_every_step(loaded_model):
     assert detok.text == tokenizer.decode(ids)
 
 
-def test_decoding_per_token_is_bounded_and_stops_are_found(loaded_model):
-    counting = CountingTokenizer(loaded_model.tokenizer)
-    ids = loaded_model.tokenizer.encode(TEXT)
+def test_decoding_per_token_is_bounded_and_stops_are_found(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    ids = tokenizer.encode(TEXT)
     detok = IncrementalDetokenizer(counting, stop_strings=("STOP here",))
     found_at = None
     for end in range(1, len(ids) + 1):

@@ -25,7 +25,7 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def replicas():
+def replicas(model_weights):
     s = Server("--replicas", "2", "--num-threads", "1", "--gather-window-ms", "0", "--dtype", "float32",
                "--kv-cache-bytes", kv_bytes(8192), "--round-timeout-ms", "5000")
     deadline = time.monotonic() + 300  # Ray says the app is ready before its router knows every replica

@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import CHAT_QUESTIONS
+from tests.helpers import CHAT_QUESTIONS, LOGIT_ATOL
 from tokendance import LLM, SamplingParams
 from tokendance.model.platform import probe_cpu
 
-# fp32 logits of two independent implementations differ by summation order only; measured max
-# |diff| ~1e-4 on logits of magnitude ~40.
-LOGIT_ATOL = 2e-3
 
 
 def long_prompt(llm: LLM) -> list[int]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import CHAT_QUESTIONS
+from tests.helpers import CHAT_QUESTIONS, round_turns
 from tokendance import (
     LLM,
     CapacityError,
@@ -203,7 +203,6 @@ def test_a_request_that_fails_in_a_step_fails_alone(make_llm, monkeypatch):
     """A failure injected into one request's sampling: that request finishes with "error", every
     other request of the busy batch (and of a round) completes with its normal output."""
     from tokendance.sampling import Sampler
-    from tests.test_rounds import round_turns
 
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
     sampled = SamplingParams(temperature=0.7, seed=3, max_tokens=6)

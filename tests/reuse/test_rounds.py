@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.test_model_reference import LOGIT_ATOL
+from tests.helpers import AGENTS, LOGIT_ATOL, WORDS, history, persona, round_turns, utterance
 from tokendance import (
     AgentTurn,
     ContextLengthError,
@@ -21,40 +21,12 @@ from tokendance.outputs import RequestOutput
 from tokendance.reuse.fidelity import compare, divergence_margin
 from tokendance.sampling import TokenLogprobs
 
-AGENTS = ["ada", "bo", "cy", "di"]
-WORDS = "harvest festival bread mill river market lantern storm neighbour rumour council well bridge orchard".split()
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=1)
 # The default's fidelity on `village_round(8)`, measured natively (AVX512) and under simulated AVX2:
 # 4 of 8 outputs identical to full prefill, the other 4 parting at near ties, none confidently.
 # The bound leaves one more near tie to another CPU's rounding.
 IDENTICAL_BOUND = 3 / 8
 CONFIDENT_BOUND = 0
-
-
-def utterance(agent: str, seed: int) -> str:
-    rng = random.Random(f"{agent}-{seed}")
-    return f"{agent} says: " + " ".join(rng.choice(WORDS) for _ in range(24)) + "."
-
-
-def persona(agent: str, words: int) -> str:
-    rng = random.Random(agent)
-    return f"You are {agent}, a villager. " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def history(agent: str, index: int, rounds: int, persona_words=None) -> list[dict]:
-    """Persona, then per round: every agent's utterance (shuffled per agent) and a task."""
-    rng = random.Random(agent)
-    messages = [{"role": "system", "content": persona(agent, persona_words or 10 + 9 * index)}]
-    for r in range(rounds):
-        shared = [utterance(a, r) for a in AGENTS]
-        rng.shuffle(shared)
-        messages += [{"role": "user", "content": s} for s in shared]
-        messages.append({"role": "user", "content": f"Round {r}: {agent}, what do you say next?"})
-    return messages
-
-
-def round_turns(rounds: int, agents=AGENTS, namespace="") -> list[AgentTurn]:
-    return [AgentTurn(a, history(a, AGENTS.index(a), rounds), namespace=namespace) for a in agents]
 
 
 def test_full_recompute_reproduces_full_prefill(make_llm):

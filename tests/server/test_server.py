@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.helpers import Server, disconnect, kv_bytes, long_chat, open_stream, read_events, salt, wait_until
+from tests.helpers import Server, disconnect, serving, kv_bytes, long_chat, open_stream, read_events, salt, wait_until
 from tokendance.server.gate import Admission
 from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
 from tokendance.model.platform import probe_cpu
@@ -30,26 +30,20 @@ SHARED = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--gather-window-ms", "300", "--kv-cache-bytes", kv_bytes(8736), "--max-body-bytes", "1000000")
-    yield s
-    s.stop()
+def server(model_weights):
+    yield from serving("--gather-window-ms", "300", "--kv-cache-bytes", kv_bytes(8736), "--max-body-bytes", "1000000")
 
 
 @pytest.fixture(scope="module")
-def guarded():
-    s = Server("--api-key", "sesame", "--max-concurrent-requests", "1", "--gather-window-ms", "0",
-               "--kv-cache-bytes", kv_bytes(2912), api_key="sesame")
-    yield s
-    s.stop()
+def guarded(model_weights):
+    yield from serving("--api-key", "sesame", "--max-concurrent-requests", "1", "--gather-window-ms", "0",
+                       "--kv-cache-bytes", kv_bytes(2912), api_key="sesame")
 
 
 @pytest.fixture(scope="module")
-def tenants():
-    s = Server("--api-key", "key-a", "--api-key", "key-b", "--gather-window-ms", "0",
-               "--kv-cache-bytes", kv_bytes(2912), api_key="key-a")
-    yield s
-    s.stop()
+def tenants(model_weights):
+    yield from serving("--api-key", "key-a", "--api-key", "key-b", "--gather-window-ms", "0",
+                       "--kv-cache-bytes", kv_bytes(2912), api_key="key-a")
 
 
 def villager(i: int, task: str = "what do you do next?") -> list[dict]:
@@ -341,7 +335,7 @@ def test_hostile_corpus_is_answered_4xx_and_changes_nothing(server):
     """Every request of the checked-in corpus (tests/data/hostile_requests.json: malformed JSON,
     wrong types, out-of-range values, bad constraints and tools, lone surrogates, deep nesting)
     gets its 4xx with an OpenAI error body; the server stays healthy and holds no KV for them."""
-    corpus = json.loads((Path(__file__).parent / "data" / "hostile_requests.json").read_text())
+    corpus = json.loads((Path(__file__).parent.parent / "data" / "hostile_requests.json").read_text())
     used_before = server.metrics()["tokendance_kv_blocks_used"]
     for case in corpus:
         if "json" in case:
