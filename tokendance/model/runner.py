@@ -26,6 +26,25 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when sampling_params.logprobs is set
 
 
+MIN_CHUNK = 32  # queries per attention call, at least
+MAX_CHUNKS = 8
+CALL_COST = 4096  # one more attention call, in query x key score cells (its fixed overhead)
+
+
+def key_prefix_chunks(positions) -> list[tuple[int, int, int]]:
+    """Query rows cut into at most MAX_CHUNKS runs of equal size, each attending only to the keys
+    up to its last position: (start, end, num_keys) per run, the count of runs minimizing the
+    score cells computed plus CALL_COST per call."""
+    count, best = len(positions), None
+    for parts in range(1, min(MAX_CHUNKS, count // MIN_CHUNK) + 1):
+        cuts = [count * i // parts for i in range(parts + 1)]
+        chunks = [(a, b, positions[b - 1] + 1) for a, b in zip(cuts, cuts[1:])]
+        cost = sum((b - a) * keys for a, b, keys in chunks) + CALL_COST * parts
+        if best is None or cost < best[0]:
+            best = (cost, chunks)
+    return best[1] if best else [(0, count, positions[-1] + 1)]
+
+
 class ModelRunner:
     """Owns the KV tensors and the sampler; keeps no request state besides the sampler's
     generators and grammar matchers."""
@@ -139,7 +158,10 @@ class ModelRunner:
         key_positions = torch.arange(num_context, device=self.device)
         mask = key_positions[None, :] <= query_positions[:, None]  # [Lq, Lk] causal
         slots = self._tensor(item.context_slots)
-        return PrefillAttention(row, row + num_new, slots, mask, self._rotation(slots, key_positions))
+        chunks = tuple((start, end, num_keys, mask[start:end, :num_keys].contiguous())
+                       for start, end, num_keys in key_prefix_chunks(item.positions)) if num_new >= 2 * MIN_CHUNK else ()
+        return PrefillAttention(row, row + num_new, slots, mask, self._rotation(slots, key_positions),
+                                chunks if len(chunks) > 1 else ())
 
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]
