@@ -114,3 +114,29 @@ def test_engine_with_adjustments_matches_transformers_generate(llm_fp32, hf_mode
         if p.adjusts_logits:
             assert output.token_ids != unadjusted.token_ids, f"{prompt}: the adjustment changed nothing"
     assert len(outputs[2].token_ids) >= 10  # min_tokens held EOS back
+
+
+def test_prompt_logprobs_are_teacher_forced_and_computed_whole(make_llm, hf_model):
+    """Every prompt token's log-probability given the tokens before it, equal to transformers'
+    log-softmax at fp32, whatever was cached or however the prompt was chunked."""
+    llm = make_llm(dtype="float32", max_num_batched_tokens=64)  # the prompt spans several chunks
+    prompt = llm.tokenizer.encode("The river flooded the lower market overnight, and the bridge was closed. " * 4)
+    llm.generate(prompt, SamplingParams(max_tokens=1))  # its blocks are in the prefix cache now
+    (output,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    assert output.num_cached_tokens == 0  # computed whole, cache or not
+    entries = output.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for position in range(1, len(prompt)):
+        entry, expected = entries[position], reference[position - 1]
+        assert entry.token_id == prompt[position]
+        assert abs(entry.logprob - expected[prompt[position]].item()) < 2e-3
+        chosen = expected[prompt[position]]
+        assert int((expected > chosen + 2e-3).sum()) + 1 <= entry.rank <= int((expected > chosen - 2e-3).sum()) + 1
+        best = expected.topk(2)
+        assert abs(entry.top[0][1] - best.values[0].item()) < 2e-3 and len(entry.top) == 3
+        if best.values[0] - best.values[1] > 4e-3:  # no near tie: the same most likely token
+            assert entry.top[0][0] == best.indices[0].item()
+    with pytest.raises(InvalidRequestError, match="^prompt_logprobs "):
+        SamplingParams(prompt_logprobs=-1)

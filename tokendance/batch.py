@@ -20,7 +20,7 @@ class ScheduledRequest:
     context_slots: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams | None
-    history: TokenHistory | None = None  # set when it samples with logit adjustments (penalties, ...)
+    history: TokenHistory | None = None  # set for logit adjustments (penalties, ...) and prompt logprobs
 
 
 @dataclass

@@ -22,6 +22,7 @@ class RequestOutput:
     finish_time: float | None = None
     logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
     logprobs: list = field(default_factory=list, repr=False)  # TokenLogprobs per generated token, if asked
+    prompt_logprobs: list | None = field(default=None, repr=False)  # TokenLogprobs per prompt token (None at 0)
     agent_id: str | None = None  # set for the turn of an agent in a round
     error: str | None = None  # why, when finish_reason is "error" (its computation raised)
 

@@ -40,6 +40,10 @@ class SamplingParams:
     # Log-probabilities of each sampled token under the model (before temperature, top-k/p and
     # grammar masks), plus the `logprobs` most likely alternatives: None = off, 0 = the token's own.
     logprobs: int | None = None
+    # Log-probabilities of every prompt token given the tokens before it (teacher forcing, as
+    # vLLM's prompt_logprobs), with that many alternatives: the prompt is computed whole (no
+    # prefix-cache hit), and the first token has none.
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
     # Logit adjustments (OpenAI's and vLLM's meanings): presence subtracts once from every token
     # already generated, frequency once per occurrence; repetition divides positive logits (and
@@ -76,6 +80,9 @@ class SamplingParams:
                "return_logits", f"return_logits must be a bool or a count >= 0, got {self.return_logits!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
                f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         self._check_adjustments()
@@ -150,6 +157,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + how many tokens are more likely (prompt logprobs)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], counts: Sequence[int]) -> list[TokenLogprobs]:
@@ -192,6 +200,19 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
     presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
     out[index] = sub - frequency * counts - presence * (counts > 0)
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], count: int) -> list[TokenLogprobs]:
+    """Each row's log-probability of its target token, its rank and the `count` most likely
+    tokens; logits [N, vocab] (model dtype)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, target)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(count, dim=-1) if count else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(t, c, list(zip(i, v)), r)
+            for t, c, i, v, r in zip(targets, chosen[:, 0].tolist(), top_ids, top_values, ranks)]
 
 
 class Sampler:

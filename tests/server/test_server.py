@@ -113,6 +113,21 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_sampler(server):
     assert penalized.usage.completion_tokens == 12
 
 
+def test_completions_score_a_prompt_with_prompt_logprobs(server):
+    client, prompt = server.client(), f"The bridge over the river is closed. {salt()}"
+    scored = client.completions.create(model=server.model, prompt=prompt, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    entries = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == scored.usage.prompt_tokens and entries[0] is None
+    for entry in entries[1:]:
+        assert 2 <= len(entry) <= 3  # the prompt token and the 2 most likely (it may be one of them)
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 and isinstance(v["decoded_token"], str) for v in entry.values())
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    status, error = server.post("/v1/completions", {"model": server.model, "prompt": "hi", "prompt_logprobs": 1,
+                                                    "stream": True})
+    assert status == 400 and error["error"]["param"] == "prompt_logprobs"
+
+
 def test_stop_string_is_never_streamed(server):
     client, messages = server.client(), [{"role": "user", "content": "Tell me about the sea."}]
     full = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0,

@@ -90,6 +90,7 @@ class OutputState:
     finish_time: float | None = None
     logits: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # per prompt position (None at 0), when asked
 
 
 class LLMEngine:
@@ -371,6 +372,12 @@ class LLMEngine:
                 state.logits.append(logits)
         for request_id, entry in result.logprobs.items():
             self._outputs[request_id].logprobs.append(entry)
+        for request_id, entries in result.prompt_logprobs.items():
+            state = self._outputs[request_id]
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] * self.requests[request_id].num_prompt_tokens
+            for position, entry in entries:  # a preempted request recomputes: the same entries again
+                state.prompt_logprobs[position] = entry
         advanced = self.scheduler.update_from_output(out, result.sampled, self.requests)
         outputs = []
         for request in advanced:
@@ -411,6 +418,7 @@ class LLMEngine:
             result.sampled.update(alone.sampled)
             result.logits.update(alone.logits)
             result.logprobs.update(alone.logprobs)
+            result.prompt_logprobs.update(alone.prompt_logprobs)
         return kept, result, failed
 
     def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
@@ -448,5 +456,6 @@ class LLMEngine:
             finish_time=state.finish_time,
             logits=state.logits,
             logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
             agent_id=request.agent_id,
         )

@@ -167,4 +167,7 @@ class RoundRunner:
             raise InvalidRequestError("sampling params must be SamplingParams or one per turn")
         if len(params) != len(turns):
             raise InvalidRequestError(f"{len(params)} sampling params for {len(turns)} turns")
+        if any(p.prompt_logprobs is not None for p in params):
+            raise InvalidRequestError("prompt_logprobs is not served in rounds (their prompts reuse shared KV): "
+                                      "score an agent's prompt with generate", "prompt_logprobs")
         return tokenize_round(self.engine.tokenizer, turns), list(params)

@@ -9,7 +9,7 @@ from collections import Counter, deque
 from tokendance.batch import ScheduledRequest, SchedulerOutput
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.errors import CapacityError
-from tokendance.kv.manager import NO_HIT, BlockCopy, KVCacheManager
+from tokendance.kv.manager import NO_HIT, BlockCopy, ComputedKV, KVCacheManager
 
 
 class Scheduler:
@@ -92,6 +92,9 @@ class Scheduler:
             if request is None:
                 return
             computed = self.kv.find_computed(request.request_id, request.token_ids, request.namespace)
+            wants_prompt = request.sampling_params.prompt_logprobs is not None
+            if wants_prompt and computed.hit is not NO_HIT and computed.num_tokens:
+                computed = ComputedKV(NO_HIT, 0, 0)  # every prompt token's logits are asked for
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
                                             computed.hit)
@@ -156,7 +159,8 @@ class Scheduler:
                 context_slots=self.kv.get_slots(request.request_id)[:end],
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
-                history=request.token_history() if request.sampling_params.adjusts_logits else None,
+                history=request.token_history() if request.sampling_params.adjusts_logits
+                or request.sampling_params.prompt_logprobs is not None else None,
             )
         )
         out.block_copies.extend(copies)

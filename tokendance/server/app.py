@@ -171,6 +171,9 @@ class Api:
             raise ApiError(400, "round_size needs a round_id", param="round_size")
         if body.n > 1 and (body.agent_id or body.round_id):
             raise ApiError(400, "n must be 1 for an agent's turn (agent_id, round_id)", param="n")
+        if body.prompt_logprobs is not None and (body.agent_id or body.round_id):
+            raise ApiError(400, "prompt_logprobs is not served in rounds (agent_id, round_id)",
+                           param="prompt_logprobs", code="unsupported_parameter")
         tools = body.tool_set()
         structured, structured_param = body.structured_output()
         if tools is not None and tools.forced:
@@ -191,7 +194,8 @@ class Api:
             turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
                             agent_id=body.agent_id, round_id=body.round_id, round_size=body.round_size,
                             arrival=time.monotonic())
-            may_join = body.agent_id or body.round_id or self.config.gather_window_s > 0
+            may_join = (body.agent_id or body.round_id or self.config.gather_window_s > 0) and \
+                params.prompt_logprobs is None  # scored prompts are computed whole, never in a round
             self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
         else:
             requests = await self._validate(

@@ -36,7 +36,8 @@ MAX_ECHO = 64  # characters of a client's value repeated in an error message
 MAX_N = 16  # choices per request
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI caps it
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "prompt_logprobs")
 
 
 class ApiError(Exception):
@@ -90,7 +91,7 @@ def check_text(text: str, param: str) -> str:
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by every generation request. `top_k`, `stop_token_ids`,
-    `ignore_eos`, `repetition_penalty` and `min_tokens` are extensions (vLLM spells them the same
+    `ignore_eos`, `repetition_penalty`, `min_tokens` and `prompt_logprobs` are extensions (vLLM spells them the same
     way). `logit_bias` maps token ids, written as JSON object keys, to biases. Types are strict: a
     number must be a JSON number, a flag a JSON boolean."""
 
@@ -109,6 +110,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     min_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     # structured output: OpenAI's response_format, and vLLM's guided_* extensions
     response_format: dict[str, Any] | None = None
@@ -181,6 +183,9 @@ class SamplingFields(BaseModel):
             if name in extra and rejected(extra[name]):
                 raise ApiError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
+        if self.prompt_logprobs is not None and getattr(self, "stream", False):
+            raise ApiError(400, "prompt_logprobs is not served while streaming", param="prompt_logprobs",
+                           code="unsupported_parameter")
 
 
 def token_biases(logit_bias: dict) -> dict[int, float]:
@@ -284,13 +289,15 @@ class RoundAgent(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        reject_round_fields(self.model_extra)
+        reject_round_fields(self)
 
 
-def reject_round_fields(extra: dict | None) -> None:
+def reject_round_fields(body: SamplingFields) -> None:
     """Chat fields a round does not serve (it never ignores them silently)."""
-    for name in ("tools", "tool_choice", "stream", "logprobs", "top_logprobs"):
-        if (extra or {}).get(name):
+    fields = {**(body.model_extra or {}), "prompt_logprobs": body.prompt_logprobs}
+    for name in ("tools", "tool_choice", "stream", "logprobs", "top_logprobs", "prompt_logprobs"):
+        value = fields.get(name)
+        if not (value is None or value is False or value == [] or value == ""):
             hint = (" stream each agent's chat request instead (with round_id and round_size)" if name == "stream"
                     else " send the agent's turn as a chat request with round_id and round_size")
             raise ApiError(400, f"/v1/rounds does not support {name};{hint}", param=name,
@@ -306,7 +313,7 @@ class RoundRequest(SamplingFields):
         super().check_supported()
         if self.n != 1 or any(a.n != 1 for a in self.agents):
             raise ApiError(400, "n must be 1 in a round (one turn per agent)", param="n", code="unsupported_parameter")
-        reject_round_fields(self.model_extra)
+        reject_round_fields(self)
 
 
 # ---------------------------------------------------------------- responses
@@ -350,6 +357,25 @@ def completion_logprobs(entries: list[TokenLogprobs], token_text: TokenText, off
             "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
+def prompt_logprobs_field(output: RequestOutput, token_text: TokenText | None) -> dict:
+    """vLLM's `prompt_logprobs` of a choice, when asked: per prompt token (None for the first), a
+    map from token id to {logprob, rank, decoded_token} holding the prompt token and the most
+    likely alternatives."""
+    if output.prompt_logprobs is None or token_text is None:
+        return {}
+
+    def position(entry) -> dict | None:
+        if entry is None:
+            return None
+        found = {str(t): {"logprob": lp, "rank": rank + 1, "decoded_token": token_text(t)}
+                 for rank, (t, lp) in enumerate(entry.top)}
+        found[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                      "decoded_token": token_text(entry.token_id)}
+        return found
+
+    return {"prompt_logprobs": [position(entry) for entry in output.prompt_logprobs]}
+
+
 def chat_message(output: RequestOutput, tools: Tools | None) -> tuple[dict, str | None]:
     """The assistant message of a choice and its finish reason (tool calls parsed out)."""
     message = {"role": "assistant", "content": output.text}
@@ -368,7 +394,8 @@ def chat_response(request_id: str, model: str, outputs: list[RequestOutput], rou
     for i, output in enumerate(outputs):
         message, finish_reason = chat_message(output, tools)
         logprobs = chat_logprobs(output.logprobs, token_text, hidden) if token_text and output.logprobs else None
-        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                        **prompt_logprobs_field(output, token_text)})
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -391,7 +418,8 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
         "model": model,
         "choices": [
             {"index": i, "text": o.text, "finish_reason": o.finish_reason,
-             "logprobs": completion_logprobs(o.logprobs, token_text, 0, hidden) if token_text and o.logprobs else None}
+             "logprobs": completion_logprobs(o.logprobs, token_text, 0, hidden) if token_text and o.logprobs else None,
+             **prompt_logprobs_field(o, token_text)}
             for i, o in enumerate(outputs)
         ],
         "usage": usage(outputs, n),
