@@ -52,11 +52,34 @@ class EngineConfig:
     reuse: str = registry.DEFAULT_REUSE  # a name of registry.REUSE_POLICIES
     recompute_ratio: float = registry.DEFAULT_RECOMPUTE_RATIO
     selection: str = registry.DEFAULT_SELECTION  # a name of registry.SELECTIONS
+    # A named preset of the reuse knobs (registry.FIDELITY: "exact", "floor", "fast"); it sets
+    # reuse and recompute_ratio, and refuses other values for them.
+    fidelity: str | None = None
     check_layer: int = 1
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 
+    def _apply_fidelity(self) -> None:
+        preset = registry.FIDELITY[registry.check("fidelity", self.fidelity, registry.FIDELITY)]
+        defaults = {"reuse": registry.DEFAULT_REUSE, "recompute_ratio": registry.DEFAULT_RECOMPUTE_RATIO}
+        for name, value in preset.settings.items():
+            given = getattr(self, name)
+            if given != value and given != defaults[name]:
+                raise InvalidRequestError(f"fidelity={self.fidelity!r} sets {name}={value!r}; it cannot be "
+                                          f"{given!r} too (drop one of them)", "fidelity")
+            object.__setattr__(self, name, value)
+
+    @property
+    def fidelity_name(self) -> str:
+        """The preset these reuse settings are ("custom" if none)."""
+        for name, preset in registry.FIDELITY.items():
+            if all(getattr(self, k) == v for k, v in preset.settings.items()):
+                return name
+        return "custom"
+
     def __post_init__(self) -> None:
         registry.check("dtype", self.dtype, registry.DTYPES)
+        if self.fidelity is not None:
+            self._apply_fidelity()
         registry.check("reuse", self.reuse, registry.REUSE_POLICIES)
         registry.check("selection", self.selection, registry.SELECTIONS)
         if self.block_size < 1:

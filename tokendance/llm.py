@@ -44,11 +44,21 @@ class LLM:
         use_tqdm: bool = False,
         namespace: str = "",
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. All prompts are validated before any is scheduled."""
+        """One output per prompt and choice, in order (a prompt's `n` choices in a row). All
+        prompts are validated before any is scheduled. A prompt's choices after the first start
+        once it has computed the prompt, and find it in the prefix cache."""
         batch = _as_prompt_batch(prompts)
         params = _as_params(sampling_params, len(batch))
-        requests = [self.engine.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, params)]
-        return self._run(requests, use_tqdm)
+        requests, after = [], []
+        for prompt, p in zip(batch, params):
+            first = self.engine.make_request(prompt, p.choice(0), namespace=namespace)
+            requests.append(first)
+            after.append(None)
+            for index in range(1, p.n):
+                requests.append(self.engine.make_request(prompt, p.choice(index),
+                                                         namespace=namespace, group=first.request_id))
+                after.append(first.request_id)
+        return self._run(requests, use_tqdm, after)
 
     def chat(
         self,
@@ -104,10 +114,10 @@ class LLM:
         """Drop an agent's session (its KV); False if it had none."""
         return self.rounds.end_agent(agent_id)
 
-    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests, use_tqdm: bool, after: list[str | None] | None = None) -> list[RequestOutput]:
         order = {r.request_id: i for i, r in enumerate(requests)}
-        for request in requests:
-            self.engine.add(request)
+        for request, leader in zip(requests, after or [None] * len(requests)):
+            self.engine.add(request, after=leader)
         results: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:

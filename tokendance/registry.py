@@ -41,6 +41,19 @@ DTYPES = {
     "float32": "float32 everywhere",
 }
 
+class Preset(NamedTuple):
+    settings: dict  # EngineConfig fields it sets
+    help: str
+
+
+FIDELITY = {  # named trade-offs between exactness and reuse (README, "Fidelity presets")
+    "exact": Preset({"reuse": "prefix"}, "prefix caching only: outputs as full prefill's"),
+    "floor": Preset({"reuse": "tokendance", "recompute_ratio": 0.95},
+                    "collective reuse recomputing 95% of each span: KL about twice the bf16 noise floor"),
+    "fast": Preset({"reuse": "tokendance", "recompute_ratio": 0.05},
+                   "collective reuse recomputing 5% (the default settings): the most reuse, KL ~20x the floor"),
+}
+
 DEFAULT_REUSE = "tokendance"
 DEFAULT_SELECTION = "epic"
 DEFAULT_DTYPE = "auto"
@@ -62,4 +75,4 @@ def load(choice: Choice):
 
 def describe(choices: dict) -> str:
     """'name: help; ...' for a CLI option's help."""
-    return "; ".join(f"{name}: {c.help if isinstance(c, Choice) else c}" for name, c in choices.items())
+    return "; ".join(f"{name}: {c if isinstance(c, str) else c.help}" for name, c in choices.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from tokendance.errors import InvalidRequestError
 from tokendance.structured import GrammarCompiler, Guide, StructuredOutput, allowed_tokens
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # choices per prompt
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI defines them
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100]: -100 bans a token, 100 all but forces it
 MAX_BIASED_TOKENS = 1024
@@ -28,6 +30,7 @@ class SamplingParams:
     whatever else shares its batches.
     """
 
+    n: int = 1  # choices per prompt (LLM.generate); each choice is a request of its own
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -58,6 +61,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
@@ -107,6 +111,12 @@ class SamplingParams:
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
+
+    def choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` of n (a request of its own, n=1): a seeded request's
+        choices get seeds seed + index, so they differ and each is reproducible."""
+        seed = self.seed if self.seed is None or index == 0 else (self.seed + index) % 2**64
+        return dataclasses.replace(self, n=1, seed=seed, logit_bias=self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

@@ -229,3 +229,25 @@ def test_a_request_that_fails_in_a_step_fails_alone(make_llm, monkeypatch):
     assert result.outputs[1].finish_reason == "error" and "injected" in result.outputs[1].error
     for i in (0, 2, 3):
         assert result.outputs[i].token_ids == reference.outputs[i].token_ids
+
+
+def test_n_choices_compute_the_prompt_once(make_llm):
+    """`n` choices per prompt: prompt-major outputs, the choices after the first served their
+    prompt from the prefix cache, seeded choices different and each reproducible."""
+    llm = make_llm(dtype="float32")
+    prompts = ["Once upon a time in a village by the river, " * 6, "The market opens at nine and the baker " * 6]
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8)
+    outputs = llm.generate(prompts, params)
+    assert len(outputs) == 6
+    for i, prompt in enumerate(prompts):
+        first, *others = outputs[3 * i:3 * i + 3]
+        assert all(o.prompt_token_ids == first.prompt_token_ids for o in others)
+        block = llm.engine.config.block_size
+        assert first.num_cached_tokens == 0
+        length = len(first.prompt_token_ids)
+        assert all(o.num_cached_tokens == min(length // block * block, length - 1) for o in others)
+        assert len({tuple(o.token_ids) for o in (first, *others)}) > 1  # seeds 11, 12, 13 differ
+    again = llm.generate(prompts[0], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs[:3]]
+    single = llm.generate(prompts[0], SamplingParams(temperature=1.0, seed=12, max_tokens=8))
+    assert single[0].token_ids == outputs[1].token_ids  # choice 1 is the prompt with seed + 1

@@ -133,6 +133,8 @@ class LLMEngine:
             raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
         self.requests: dict[str, Request] = {}
         self.jobs: deque[KVJob] = deque()  # rounds, prepared one at a time in the order they came
+        self._held: dict[str, list[Request]] = {}  # request id -> requests that start at its first output
+        self._held_ids: set[str] = set()
         self._outputs: dict[str, OutputState] = {}
         self._ids = itertools.count()
 
@@ -233,9 +235,16 @@ class LLMEngine:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages if isinstance(m, dict)
                                     and isinstance(m.get("content"), str)))
 
-    def add(self, request: Request) -> str:
-        if request.request_id in self.requests:
+    def add(self, request: Request, after: str | None = None) -> str:
+        """Schedule a request. `after`: hold it until that request has its first output (its
+        prompt computed), so a choice sharing the prompt finds it in the prefix cache instead of
+        computing it beside it (the n choices of a prompt)."""
+        if request.request_id in self.requests or request.request_id in self._held_ids:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if after is not None and after in self.requests:
+            self._held.setdefault(after, []).append(request)
+            self._held_ids.add(request.request_id)
+            return request.request_id
         self.requests[request.request_id] = request
         self._outputs[request.request_id] = OutputState(
             IncrementalDetokenizer(self.tokenizer, request.sampling_params.stop_strings))
@@ -246,9 +255,17 @@ class LLMEngine:
         return self.add(self.make_request(prompt, params, request_id, namespace))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id in self._held_ids:  # never started: it finishes without running
+            for held in self._held.values():
+                for request in [r for r in held if r.request_id == request_id]:
+                    held.remove(request)
+            self._held_ids.discard(request_id)
+            self.add(request)
         if request_id not in self.requests:
             return None
-        return self._close(request_id, "abort")
+        output = self._close(request_id, "abort")
+        self._release_held([output])
+        return output
 
     def add_job(self, job: KVJob) -> None:
         """Queue a job (a round): the steps advance it after the jobs added before it."""
@@ -256,7 +273,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.jobs)
+        return self.scheduler.has_unfinished or bool(self.jobs) or bool(self._held_ids)
 
     # ------------------------------------------------------------ the step
 
@@ -284,7 +301,15 @@ class LLMEngine:
             outputs = self._update(out, result, failed)
         if job is not None:
             outputs = self._advance_job(job, group, outputs)
+        self._release_held(outputs)
         return outputs
+
+    def _release_held(self, outputs: list[RequestOutput]) -> None:
+        """Requests held after one that now has an output (or finished) start."""
+        for output in outputs:
+            for request in self._held.pop(output.request_id, ()):
+                self._held_ids.discard(request.request_id)
+                self.add(request)
 
     def abort_all(self, error: BaseException) -> None:
         """Abort every request and fail every job (a driver's last resort after a bug)."""
@@ -293,6 +318,8 @@ class LLMEngine:
             self.jobs.remove(job)
         for request_id in list(self.requests):
             self._close(request_id, "abort")
+        self._held.clear()
+        self._held_ids.clear()
 
     def _run(self, out: SchedulerOutput, group: KVGroup | None, job: KVJob | None):
         """Run the step; a failure is narrowed down: the job's group alone (if it fails, the job

@@ -41,7 +41,6 @@ from tokendance.server.protocol import (
     CompletionRequest,
     RoundRequest,
     chat_response,
-    choice_params,
     completion_response,
     echo,
     round_response,
@@ -111,7 +110,9 @@ class Api:
     async def health(self):
         if not self.loop.is_alive:
             return JSONResponse({"status": "engine stopped", "error": str(self.loop.error)}, status_code=503)
-        return {"status": "ok", **self._machine()}
+        c = self.engine.config
+        return {"status": "ok", **self._machine(), "reuse": c.reuse, "recompute_ratio": c.recompute_ratio,
+                "fidelity": c.fidelity_name}
 
     async def metrics_text(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -199,7 +200,7 @@ class Api:
             self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
         else:
             requests = await self._validate(
-                lambda: [self._chat_request(messages, choice_params(params, i), f"{key}-{i}", namespace, group=key)
+                lambda: [self._chat_request(messages, params.choice(i), f"{key}-{i}", namespace, group=key)
                          for i in range(body.n)], "messages")
             self.loop.submit(GenerateJob(requests, sink, share_prompt=True))
         return sink, params, tools
@@ -214,7 +215,7 @@ class Api:
         prompts, n = body.prompts(), body.n
         self.admission.claim(request.scope, len(prompts) * n)
         requests = await self._validate(
-            lambda: [self.engine.make_request(p, choice_params(params, c), f"{key}-{i * n + c}", namespace, group=key)
+            lambda: [self.engine.make_request(p, params.choice(c), f"{key}-{i * n + c}", namespace, group=key)
                      for i, p in enumerate(prompts) for c in range(n)],
             "prompt",
         )

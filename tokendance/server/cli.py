@@ -40,6 +40,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of each reused span's tokens recomputed in its new context")
     add("--selection", default=registry.DEFAULT_SELECTION, choices=list(registry.SELECTIONS),
         help="which tokens of a reused span are recomputed (" + registry.describe(registry.SELECTIONS) + ")")
+    add("--fidelity", default=None, choices=list(registry.FIDELITY),
+        help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
     add("--gather-window-ms", type=float, default=50.0,
         help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,
@@ -74,7 +76,7 @@ def run_server(args: argparse.Namespace) -> int:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         print(f"error: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 1
-    engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection,
+    engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
                 "max_num_seqs": args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None}}
@@ -113,7 +115,9 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
     config = server_config(args, args.served_model_name or llm.engine.model_name)
     app = create_app(llm, config)
     engine = llm.engine
-    print(f"serving {config.model_name} (reuse={args.reuse}, dtype {engine.dtype}, CPU {engine.cpu.describe()}, "
+    reuse = engine.config
+    print(f"serving {config.model_name} (reuse={reuse.reuse}, recompute ratio {reuse.recompute_ratio:g}, fidelity "
+          f"{reuse.fidelity_name}, dtype {engine.dtype}, CPU {engine.cpu.describe()}, "
           f"KV pool {engine.kv_cache_bytes >> 20} MiB) on http://{args.host}:{args.port}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

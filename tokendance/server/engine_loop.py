@@ -93,7 +93,6 @@ class EngineLoop:
         self._routes: dict[str, Route] = {}  # engine request id -> route (rounds' agents too)
         self._round_agents: dict[str, tuple[Any, str]] = {}  # a round agent's request id -> (its round, agent id)
         self._rounds: dict[Any, tuple[list[ChatTurn], list[str]]] = {}  # submitted rounds -> (turns, agent ids)
-        self._followers: dict[str, list[tuple[Any, Route]]] = {}  # leader request id -> choices held back
         self._anonymous = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokendance-engine", daemon=True)
@@ -213,37 +212,29 @@ class EngineLoop:
             job.loop.call_soon_threadsafe(resolve, value)
 
     def _add_generate(self, job: GenerateJob) -> None:
-        """Every choice starts now, except the n-1 sibling choices of a shared prompt: they wait
-        (as followers) until the first has computed the prompt, then find it in the prefix cache."""
+        """Every choice starts now, except the n-1 sibling choices of a shared prompt: the engine
+        holds them until the first has computed the prompt, then they find it in the prefix cache."""
         leader, leader_added = None, False
         for index, request in enumerate(job.requests):
             route = Route(job.sink, index)
             if job.share_prompt and leader is not None and leader.prompt_token_ids == request.prompt_token_ids:
-                if leader_added:
-                    self._followers[leader.request_id].append((request, route))
-                else:  # the leader never started (its client left, or it was refused): no wait
-                    self._add(request, route)
+                # (a leader that never started, its client gone or refused: no wait)
+                self._add(request, route, after=leader.request_id if leader_added else None)
                 continue
             leader = request
             leader_added = self._add(request, route)
-            if job.share_prompt and leader_added:
-                self._followers[request.request_id] = []
 
-    def _add(self, request, route: Route) -> bool:
+    def _add(self, request, route: Route, after: str | None = None) -> bool:
         """Start one request; False if it did not (its client left, or the engine refused it)."""
         if route.sink.closed:
             return False
         try:
-            self.engine.add(request)
+            self.engine.add(request, after=after)
         except InvalidRequestError as exc:
             route.sink.fail(ApiError.from_engine(exc))
             return False
         self._routes[request.request_id] = route
         return True
-
-    def _release_followers(self, leader_id: str) -> None:
-        for request, route in self._followers.pop(leader_id, ()):
-            self._add(request, route)
 
     def _step(self) -> None:
         try:
@@ -255,14 +246,11 @@ class EngineLoop:
                 if request_id not in self._round_agents:  # (rounds fail in _end_rounds)
                     del self._routes[request_id]
                     route.sink.fail(ApiError(500, "engine failure", type="server_error"))
-            self._followers.clear()
             return
         for output in outputs:
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
-        if output.request_id in self._followers:  # its prompt is computed: its sibling choices start
-            self._release_followers(output.request_id)
         route = self._routes.get(output.request_id)
         if route is None:
             return
@@ -279,7 +267,6 @@ class EngineLoop:
         self.gatherer.remove(sink.key)
         for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
             del self._routes[request_id]
-            self._followers.pop(request_id, None)
             if request_id in self._round_agents:  # the round goes on without it
                 job, agent_id = self._round_agents[request_id]
                 self._aborted(self.llm.rounds.abort(agent_id, job))

@@ -9,7 +9,6 @@ without repeating its value.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -63,14 +62,6 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------- requests
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The sampling params of choice `index` of n: a seeded request's choices get seeds seed + i,
-    so they differ and each is reproducible."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def echo(value) -> str:

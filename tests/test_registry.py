@@ -1,0 +1,38 @@
+"""The registry of names (model-free): every registered name loads what it stands for, and the
+fidelity presets set the reuse knobs or refuse a contradiction."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokendance import registry
+from tokendance.config import EngineConfig
+from tokendance.errors import InvalidRequestError
+from tokendance.reuse.policy import ReusePolicy, policy_class
+from tokendance.reuse.selection import Selector, make_selector
+
+
+def test_every_registered_name_loads_its_class():
+    for name in registry.REUSE_POLICIES:
+        cls = policy_class(name)
+        assert issubclass(cls, ReusePolicy) and cls.name == name
+    assert not policy_class("full").enables_prefix_caching and policy_class("prefix").enables_prefix_caching
+    for name in registry.SELECTIONS:
+        assert isinstance(make_selector(name, 0.1), Selector)
+    with pytest.raises(InvalidRequestError, match="^reuse must be one of full, prefix, pic, tokendance"):
+        EngineConfig(reuse="mine")
+
+
+def test_fidelity_presets_set_the_reuse_knobs():
+    assert EngineConfig().fidelity_name == "fast"  # the defaults are the fast preset
+    for name, preset in registry.FIDELITY.items():
+        config = EngineConfig(fidelity=name)
+        assert {k: getattr(config, k) for k in preset.settings} == preset.settings
+        assert config.fidelity_name == name
+    assert EngineConfig(reuse="pic").fidelity_name == "custom"
+    assert EngineConfig(fidelity="floor", recompute_ratio=0.95).recompute_ratio == 0.95  # agreeing is fine
+    with pytest.raises(InvalidRequestError, match="fidelity='exact' sets reuse='prefix'") as error:
+        EngineConfig(fidelity="exact", reuse="pic")
+    assert error.value.param == "fidelity"
+    with pytest.raises(InvalidRequestError, match="^fidelity must be one of exact, floor, fast"):
+        EngineConfig(fidelity="perfect")
