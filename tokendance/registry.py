@@ -74,5 +74,6 @@ def load(choice: Choice):
 
 
 def describe(choices: dict) -> str:
-    """'name: help; ...' for a CLI option's help."""
-    return "; ".join(f"{name}: {c if isinstance(c, str) else c.help}" for name, c in choices.items())
+    """'name: help; ...' for a CLI option's help (argparse formats it: a % is doubled)."""
+    text = "; ".join(f"{name}: {c if isinstance(c, str) else c.help}" for name, c in choices.items())
+    return text.replace("%", "%%")
