@@ -91,9 +91,9 @@ def test_function_calls_stream_and_their_outputs_go_back_in(server):
     assert [item.type for item in follow.output] == ["message"] and "<tool_call>" not in follow.output_text
 
 
-class City(pydantic.BaseModel):
-    name: str
-    population: int
+class City(pydantic.BaseModel):  # bounded fields: a complete object always fits in max_output_tokens
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
 
 
 def test_text_format_json_schema_through_the_sdks_parse(server):
