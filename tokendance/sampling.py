@@ -116,7 +116,7 @@ class SamplingParams:
         """The params of choice `index` of n (a request of its own, n=1): a seeded request's
         choices get seeds seed + index, so they differ and each is reproducible."""
         seed = self.seed if self.seed is None or index == 0 else (self.seed + index) % 2**64
-        return dataclasses.replace(self, n=1, seed=seed, logit_bias=self.logit_bias)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

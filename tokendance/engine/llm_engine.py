@@ -134,7 +134,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.jobs: deque[KVJob] = deque()  # rounds, prepared one at a time in the order they came
         self._held: dict[str, list[Request]] = {}  # request id -> requests that start at its first output
-        self._held_ids: set[str] = set()
+        self._held_after: dict[str, str] = {}  # a held request's id -> the id it waits for
         self._outputs: dict[str, OutputState] = {}
         self._ids = itertools.count()
 
@@ -239,11 +239,11 @@ class LLMEngine:
         """Schedule a request. `after`: hold it until that request has its first output (its
         prompt computed), so a choice sharing the prompt finds it in the prefix cache instead of
         computing it beside it (the n choices of a prompt)."""
-        if request.request_id in self.requests or request.request_id in self._held_ids:
+        if request.request_id in self.requests or request.request_id in self._held_after:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if after is not None and after in self.requests:
             self._held.setdefault(after, []).append(request)
-            self._held_ids.add(request.request_id)
+            self._held_after[request.request_id] = after
             return request.request_id
         self.requests[request.request_id] = request
         self._outputs[request.request_id] = OutputState(
@@ -255,11 +255,10 @@ class LLMEngine:
         return self.add(self.make_request(prompt, params, request_id, namespace))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        if request_id in self._held_ids:  # never started: it finishes without running
-            for held in self._held.values():
-                for request in [r for r in held if r.request_id == request_id]:
-                    held.remove(request)
-            self._held_ids.discard(request_id)
+        if request_id in self._held_after:  # never started: it finishes without running
+            held = self._held[self._held_after.pop(request_id)]
+            request = next(r for r in held if r.request_id == request_id)
+            held.remove(request)
             self.add(request)
         if request_id not in self.requests:
             return None
@@ -273,7 +272,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.jobs) or bool(self._held_ids)
+        return self.scheduler.has_unfinished or bool(self.jobs) or bool(self._held_after)
 
     # ------------------------------------------------------------ the step
 
@@ -308,7 +307,7 @@ class LLMEngine:
         """Requests held after one that now has an output (or finished) start."""
         for output in outputs:
             for request in self._held.pop(output.request_id, ()):
-                self._held_ids.discard(request.request_id)
+                del self._held_after[request.request_id]
                 self.add(request)
 
     def abort_all(self, error: BaseException) -> None:
@@ -319,7 +318,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self._close(request_id, "abort")
         self._held.clear()
-        self._held_ids.clear()
+        self._held_after.clear()
 
     def _run(self, out: SchedulerOutput, group: KVGroup | None, job: KVJob | None):
         """Run the step; a failure is narrowed down: the job's group alone (if it fails, the job

@@ -38,12 +38,12 @@ class PrefillAttention:
     # Slots of every key this request attends to (cached context + the new tokens), or None when
     # the new tokens are the whole context: then the fresh K/V are used directly, causally.
     context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [num_query, num_context] bool, True = attend
     rotation: KeyRotation | None = None  # keys stored at other positions than they are read
-    # Queries split by position: (start, end, num_keys, mask) = query rows [start, end) attend
-    # within the first num_keys keys only (what their positions can see), so scattered queries
-    # (a round's recomputed tokens) skip the keys after them. Empty: one call over all keys.
-    chunks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
+    # With context_slots, the queries in parts by position, one attention call each: (start, end,
+    # num_keys, mask) = query rows [start, end) attend within the first num_keys keys (what their
+    # positions can see; mask [end - start, num_keys] bool, True = attend), so scattered queries
+    # (a round's recomputed tokens) skip the keys after them.
+    parts: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -379,14 +379,10 @@ def paged_attention(
             keys = read_keys(key_cache, p.context_slots, p.rotation)  # [Lk, Hkv, D]
             keys = keys.transpose(0, 1)[None]  # [1, Hkv, Lk, D]
             values = value_cache.index_select(0, p.context_slots).transpose(0, 1)[None]
-            if not p.chunks:
-                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, enable_gqa=True)
-            else:
-                o = torch.empty_like(query)
-                for start, end, num_keys, mask in p.chunks:
-                    o[:, :, start:end] = F.scaled_dot_product_attention(
-                        query[:, :, start:end], keys[:, :, :num_keys], values[:, :, :num_keys], attn_mask=mask,
-                        enable_gqa=True)
+            parts = [F.scaled_dot_product_attention(query[:, :, start:end], keys[:, :, :num_keys],
+                                                    values[:, :, :num_keys], attn_mask=mask, enable_gqa=True)
+                     for start, end, num_keys, mask in p.parts]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         out[rows] = o[0].transpose(0, 1)
     d = meta.decode
     if d is not None and d.mask is None:

@@ -176,15 +176,13 @@ class ModelRunner:
         num_new = len(item.token_ids)
         num_context = len(item.context_slots)
         if num_new == num_context:  # the new tokens are the whole context: plain causal attention
-            return PrefillAttention(row, row + num_new, None, None)
+            return PrefillAttention(row, row + num_new, None)
         query_positions = self._tensor(list(item.positions))
         key_positions = torch.arange(num_context, device=self.device)
-        mask = key_positions[None, :] <= query_positions[:, None]  # [Lq, Lk] causal
+        parts = tuple((start, end, num_keys, key_positions[None, :num_keys] <= query_positions[start:end, None])
+                      for start, end, num_keys in key_prefix_chunks(item.positions))  # causal masks
         slots = self._tensor(item.context_slots)
-        chunks = tuple((start, end, num_keys, mask[start:end, :num_keys].contiguous())
-                       for start, end, num_keys in key_prefix_chunks(item.positions)) if num_new >= 2 * MIN_CHUNK else ()
-        return PrefillAttention(row, row + num_new, slots, mask, self._rotation(slots, key_positions),
-                                chunks if len(chunks) > 1 else ())
+        return PrefillAttention(row, row + num_new, slots, self._rotation(slots, key_positions), parts)
 
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]

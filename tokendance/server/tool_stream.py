@@ -66,7 +66,8 @@ class ToolCallStream:
         content, calls = [], []
         while self._content(content, finished) if self.block is None else self._call(content, calls, finished):
             pass
-        delta = {"content": "".join(content)} if "".join(content) else {}
+        text = "".join(content)
+        delta = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = merge(calls)
         return delta
