@@ -21,6 +21,7 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams | None
     history: TokenHistory | None = None  # set for logit adjustments (penalties, ...) and prompt logprobs
+    score_from: int = 0  # prompt logprobs: the first position whose logits are asked for
 
 
 @dataclass

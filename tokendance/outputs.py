@@ -23,6 +23,8 @@ class RequestOutput:
     logits: list = field(default_factory=list, repr=False)  # float32 [vocab] per generated token
     logprobs: list = field(default_factory=list, repr=False)  # TokenLogprobs per generated token, if asked
     prompt_logprobs: list | None = field(default=None, repr=False)  # TokenLogprobs per prompt token (None at 0)
+    # prompt position -> float32 [vocab] logits that scored its token (prompt_logprobs with return_logits)
+    prompt_logits: dict = field(default_factory=dict, repr=False)
     agent_id: str | None = None  # set for the turn of an agent in a round
     error: str | None = None  # why, when finish_reason is "error" (its computation raised)
 

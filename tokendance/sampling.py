@@ -39,13 +39,17 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
-    return_logits: bool | int = False  # attach float32 logits: True = every generated position, k = the first k
+    # attach float32 logits: True = every generated position, k = the first k; with
+    # prompt_logprobs, also those of every scored prompt position (RequestOutput.prompt_logits)
+    return_logits: bool | int = False
     # Log-probabilities of each sampled token under the model (before temperature, top-k/p and
     # grammar masks), plus the `logprobs` most likely alternatives: None = off, 0 = the token's own.
     logprobs: int | None = None
     # Log-probabilities of every prompt token given the tokens before it (teacher forcing, as
     # vLLM's prompt_logprobs), with that many alternatives: the prompt is computed whole (no
-    # prefix-cache hit), and the first token has none.
+    # prefix-cache hit), and the first token has none. In a round, only the prompt's private tail
+    # (the tokens after its last shared segment) is scored, over the round's reused KV: teacher
+    # forcing of a continuation appended as the prompt's last, private segment.
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...)
     # Logit adjustments (OpenAI's and vLLM's meanings): presence subtracts once from every token

@@ -19,6 +19,7 @@ from tokendance.engine.rounds import RoundAborted
 from tokendance.kv.manager import RecallKey, SessionKey
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.fidelity import compare, divergence_margin
+from tokendance.reuse.segments import with_continuation
 from tokendance.sampling import TokenLogprobs
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=1)
@@ -361,3 +362,45 @@ def test_divergence_margin_is_the_references_top_two_gap_where_outputs_part():
     assert divergence_margin(reference, output([4])) == pytest.approx(2.9)  # a confident divergence
     fidelity = compare([reference, reference, reference], [output([5, 8]), output([4]), output([5, 6, 7])])
     assert (fidelity.near_tie_divergences, fidelity.confident_divergences, fidelity.identical_fraction) == (1, 1, 1 / 3)
+
+
+def scored_tail(output: RequestOutput) -> list[int]:
+    return [p for p, entry in enumerate(output.prompt_logprobs) if entry is not None]
+
+
+def test_rounds_score_a_continuation_over_their_reused_kv(make_llm):
+    """Teacher forcing in a round: a continuation appended as the prompt's last, private segment is
+    scored over the KV the round prepared. In `full` the scores are the logits that generated it;
+    `prefix` (hits cut where the tail begins) and tokendance at ratio 1.0 stay exact; the default
+    reuses shared KV and still scores every continuation token."""
+    turns = village_round(4)
+    reference = make_llm(dtype="float32", reuse="full")
+    generated = reference.run_round(turns, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                          return_logits=True)).outputs
+    forced = [with_continuation(reference.tokenizer, t, o.token_ids) for t, o in zip(turns, generated)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, return_logits=True)
+    scored = reference.run_round(forced, score).outputs
+    for gen, out in zip(generated, scored):
+        tail = scored_tail(out)
+        assert tail == list(range(out.num_prompt_tokens - 8, out.num_prompt_tokens))
+        assert [out.prompt_logprobs[p].token_id for p in tail] == gen.token_ids
+        assert sorted(out.prompt_logits) == tail
+        for logits, p in zip(gen.logits, tail):
+            assert (out.prompt_logits[p] - logits).abs().max().item() < LOGIT_ATOL
+    prefix = make_llm(dtype="float32", reuse="prefix")
+    prefix.run_round(forced, SamplingParams(max_tokens=1))  # every block is in the prefix cache now
+    exact = {"prefix": prefix, "tokendance@1.0": make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0)}
+    for name, llm in exact.items():
+        outputs = llm.run_round(forced, score).outputs
+        assert all(scored_tail(o) == scored_tail(r) for o, r in zip(outputs, scored)), name
+        if name == "prefix":
+            assert all(o.num_cached_tokens >= o.num_prompt_tokens - 8 - 16 for o in outputs)
+        for ours, ref in zip(outputs, scored):
+            for p, logits in ref.prompt_logits.items():
+                assert (ours.prompt_logits[p] - logits).abs().max().item() < LOGIT_ATOL, name
+    default = make_llm(dtype="float32", reuse="tokendance")
+    result = default.run_round(forced, score)
+    assert result.stats.reused_tokens > 0
+    agree = [ours.prompt_logits[p].argmax() == logits.argmax()
+             for ours, ref in zip(result.outputs, scored) for p, logits in ref.prompt_logits.items()]
+    assert len(agree) == 32 and sum(agree) >= 24

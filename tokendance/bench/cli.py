@@ -61,7 +61,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"],
                         choices=list(registry.SELECTIONS),
                         help="selection policies of the sweep")
-    parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's simulation")
+    parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's and --fidelity's simulation")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="the noise-floor report at --sweep-agents instead of the sweep: every mode and "
+                             "tokendance at each --sweep-ratios against full, teacher-forced on full's output, beside "
+                             "full in the other dtype (runs alone unless --agents is given)")
     parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")
     parser.add_argument("--max-agents", type=int, default=64, help="capacity: upper end of the search")
     parser.add_argument("--target", default=None, metavar="URL",

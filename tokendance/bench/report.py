@@ -167,3 +167,41 @@ def plot_fidelity(sweep: list[dict], path: Path, title: str, default_ratio: floa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def format_noise_floor(rows: list[dict]) -> str:
+    """The teacher-forced report: each setting against full, and as a multiple of the floor."""
+    lines = [f"{'setting':<18}{'shared x':>9}{'same':>6}{'top1':>7}{'KL mean':>9}{'x floor':>8}{'KL p99':>8}"
+             f"{'x floor':>8}{'flips >0.5':>11}{'>2 nats':>8}{'positions':>10}"]
+    for r in rows:
+        lines.append(
+            f"{r['setting']:<18}{r['shared_compression']:>9.2f}{r['identical_fraction']:>6.2f}{r['top1_agreement']:>7.3f}"
+            f"{r['kl_mean']:>9.4f}{_num(r['kl_mean_ratio'], 8, 1)}{r['kl_p99']:>8.3f}{_num(r['kl_p99_ratio'], 8, 1)}"
+            f"{r['flips_over_half_nat']:>11}{r['flips_over_2_nats']:>8}{r['positions']:>10}")
+    return "\n".join(lines)
+
+
+def plot_noise_floor(rows: list[dict], path: Path, title: str) -> None:
+    """Mean KL to full as a multiple of the floor's against shared-span compression, one point per
+    setting, the floor (1x) marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for number, r in enumerate(rows):
+        if r["kl_mean_ratio"] is None:
+            continue
+        ax.plot(r["shared_compression"], max(r["kl_mean_ratio"], 1e-3), marker="osD^vP*X"[number % 8], linestyle="none",
+                markersize=9, markerfacecolor="none", label=f"{r['setting']} ({r['flips_over_half_nat']} flips > 0.5 nats)")
+    ax.axhline(1.0, color="gray", linestyle=":", label="floor: full in the other dtype")
+    ax.set(xlabel="shared-span compression (x)", ylabel="mean KL to full / floor's (log)", yscale="log",
+           title="teacher-forced KL against the numeric noise floor")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tokendance.bench import report
+from tokendance.bench import fidelity, report
 from tokendance.bench.cli import kv_bytes
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.config import REUSE_MODES
@@ -23,17 +23,22 @@ from tokendance.workloads import make_workload
 
 
 def default_agents(args) -> list[int]:
-    return args.agents or ([3] if args.workload == "debate" else [4, 8, 16])
+    """--fidelity alone runs only its report."""
+    if args.agents or args.fidelity:
+        return args.agents or []
+    return [3] if args.workload == "debate" else [4, 8, 16]
 
 
 def run_rounds(args) -> int:
     loaded = load_model(args.model)
     modes = args.modes or list(REUSE_MODES)
     agent_counts = default_agents(args)
-    sweep_runs = len(args.sweep_ratios) * len(args.sweep_selections) + 1 if args.sweep_ratios else 0
+    sweep_runs = len(args.sweep_ratios) * len(args.sweep_selections) + 1 if args.sweep_ratios and not args.fidelity else 0
+    fidelity_runs = 2 * len(fidelity.variants(args)) if args.fidelity else 0
     out = Path(args.out or "benchmarks/results/bench.json")
     results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},
                      "machine": describe_machine(dtype_name(args.dtype))}
+    machine = results["machine"]
     started = time.perf_counter()
 
     def save() -> None:
@@ -41,7 +46,8 @@ def run_rounds(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
 
-    with tqdm(total=(len(agent_counts) * len(modes) + sweep_runs) * args.rounds, desc="bench", unit="round") as bar:
+    total = (len(agent_counts) * len(modes) + sweep_runs + fidelity_runs) * args.rounds
+    with tqdm(total=total, desc="bench", unit="round") as bar:
         rows = []
         for n in agent_counts:
             workload = make_workload(args.workload, n, seed=args.seed, order=args.order)
@@ -49,26 +55,42 @@ def run_rounds(args) -> int:
             rows += simulate(workload, engines, args, bar, label=f"N={n}")
             results["rounds"] = rows
             save()
-        machine = results["machine"]
         bar.write(f"\n{machine['dtype']}, CPU {machine['cpu_capability']}")
-        bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
+        if rows:
+            bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
         if sweep_runs:
             results["sweep"] = sweep(loaded, args, bar)
             save()
             bar.write("\n" + report.format_sweep(results["sweep"]))
+        if fidelity_runs:
+            workload = make_workload(args.workload, args.sweep_agents, seed=args.seed, order=args.order)
+            results["fidelity"] = fidelity.run_fidelity(
+                loaded, workload, args, lambda variants: make_engines(loaded, workload, variants, args),
+                lambda text: (bar.set_postfix_str(text), bar.update(1)))
+            save()
+            bar.write("\n" + report.format_noise_floor(results["fidelity"]))
     if args.plots:
-        plots = Path(args.plots)
+        write_plots(args, results, agent_counts)
+    print(f"results in {out}")
+    return 0
+
+
+def write_plots(args, results: dict, agent_counts: list[int]) -> None:
+    plots, machine, rows = Path(args.plots), results["machine"], results.get("rounds")
+    if rows:
         last = max(r["round"] for r in rows)
         rounds = f"rounds {min(3, last)}-{last} of {args.rounds} averaged" if last > 3 else f"round {last}"
         report.plot_scaling(rows, plots / f"{args.workload}-scaling.png",
-                            report.caption(args.workload, agent_counts, rounds, args.loop, results["machine"]))
-        if results.get("sweep"):
-            title = report.caption(args.workload, [args.sweep_agents], f"all {args.rounds} rounds", args.loop,
-                                   results["machine"])
-            report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png", title, args.ratio)
-        print(f"plots in {plots}/")
-    print(f"results in {out}")
-    return 0
+                            report.caption(args.workload, agent_counts, rounds, args.loop, machine))
+    if results.get("sweep"):
+        title = report.caption(args.workload, [args.sweep_agents], f"all {args.rounds} rounds", args.loop, machine)
+        report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png", title, args.ratio)
+    if results.get("fidelity"):
+        scored = fidelity.scored_rounds(args.rounds)
+        title = report.caption(args.workload, [args.sweep_agents], f"rounds {scored.start + 1}-{scored.stop} teacher-forced",
+                               args.loop, machine)
+        report.plot_noise_floor(results["fidelity"], plots / f"{args.workload}-noise-floor.png", title)
+    print(f"plots in {plots}/")
 
 
 def make_engines(loaded, workload, variants: dict[str, dict], args) -> dict[str, LLM]:

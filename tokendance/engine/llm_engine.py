@@ -91,6 +91,7 @@ class OutputState:
     logits: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # per prompt position (None at 0), when asked
+    prompt_logits: dict = field(default_factory=dict)  # prompt position -> logits scoring it, when asked
 
 
 class LLMEngine:
@@ -162,6 +163,7 @@ class LLMEngine:
         agent_id: str | None = None,
         retain_kv: bool = False,
         group: str | None = None,
+        score_from: int = 0,
     ) -> Request:
         """Validate and tokenize; no side effect, so a batch can be checked before any is added.
         `retain_kv`: the request's table outlives it (a round keeps it as the agent's session).
@@ -214,6 +216,7 @@ class LLMEngine:
             agent_id=agent_id,
             retain_kv=retain_kv,
             group=group,
+            score_from=score_from,
             arrival_time=time.perf_counter(),
         )
 
@@ -404,6 +407,8 @@ class LLMEngine:
                 state.prompt_logprobs = [None] * self.requests[request_id].num_prompt_tokens
             for position, entry in entries:  # a preempted request recomputes: the same entries again
                 state.prompt_logprobs[position] = entry
+        for request_id, rows in result.prompt_logits.items():
+            self._outputs[request_id].prompt_logits.update(rows)
         advanced = self.scheduler.update_from_output(out, result.sampled, self.requests)
         outputs = []
         for request in advanced:
@@ -445,6 +450,7 @@ class LLMEngine:
             result.logits.update(alone.logits)
             result.logprobs.update(alone.logprobs)
             result.prompt_logprobs.update(alone.prompt_logprobs)
+            result.prompt_logits.update(alone.prompt_logits)
         return kept, result, failed
 
     def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
@@ -483,5 +489,6 @@ class LLMEngine:
             logits=state.logits,
             logprobs=state.logprobs,
             prompt_logprobs=state.prompt_logprobs,
+            prompt_logits=state.prompt_logits,
             agent_id=request.agent_id,
         )

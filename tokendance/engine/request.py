@@ -29,6 +29,9 @@ class Request:
     agent_id: str | None = None  # the agent of a round this request is the turn of
     retain_kv: bool = False  # keep the table when finished (agent sessions, round statistics)
     group: str | None = None  # the job it is part of (a round, a multi-prompt request): admission is fair by group
+    # With prompt_logprobs: the first position whose logits are asked for (earlier tokens may come
+    # from the prefix cache or a round's prepared table; a round scores its prompt's private tail)
+    score_from: int = 0
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -22,6 +22,7 @@ needs room.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from tokendance.engine.llm_engine import LLMEngine
@@ -117,7 +118,7 @@ class RoundRunner:
         requests = [
             engine.make_request(tokenized[i].token_ids, params[i], request_id=f"round{index}:{tokenized[i].agent_id}",
                                 namespace=tokenized[i].namespace, agent_id=tokenized[i].agent_id, retain_kv=True,
-                                group=f"round{index}")
+                                group=f"round{index}", score_from=tokenized[i].num_prepared)
             for i in order
         ]
         job = RoundJob(self.context, index, requests, [tokenized[i] for i in order], order)
@@ -156,7 +157,7 @@ class RoundRunner:
         if not all(isinstance(t, AgentTurn) for t in turns):
             raise InvalidRequestError("every turn of a round must be an AgentTurn")
         ids = [t.agent_id for t in turns]
-        duplicates = sorted({a for a in ids if ids.count(a) > 1})
+        duplicates = sorted(a for a, count in Counter(ids).items() if count > 1)
         if duplicates:
             raise InvalidRequestError(f"duplicate agent ids in the round: {', '.join(map(str, duplicates))}")
         if not all(isinstance(a, str) and a for a in ids):
@@ -167,7 +168,7 @@ class RoundRunner:
             raise InvalidRequestError("sampling params must be SamplingParams or one per turn")
         if len(params) != len(turns):
             raise InvalidRequestError(f"{len(params)} sampling params for {len(turns)} turns")
-        if any(p.prompt_logprobs is not None for p in params):
-            raise InvalidRequestError("prompt_logprobs is not served in rounds (their prompts reuse shared KV): "
-                                      "score an agent's prompt with generate", "prompt_logprobs")
-        return tokenize_round(self.engine.tokenizer, turns), list(params)
+        tokenized = tokenize_round(self.engine.tokenizer, turns)
+        for turn, p in zip(tokenized, params):
+            turn.score_tail = p.prompt_logprobs is not None
+        return tokenized, list(params)

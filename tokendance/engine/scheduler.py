@@ -92,9 +92,8 @@ class Scheduler:
             if request is None:
                 return
             computed = self.kv.find_computed(request.request_id, request.token_ids, request.namespace)
-            wants_prompt = request.sampling_params.prompt_logprobs is not None
-            if wants_prompt and computed.hit is not NO_HIT and computed.num_tokens:
-                computed = ComputedKV(NO_HIT, 0, 0)  # every prompt token's logits are asked for
+            if request.sampling_params.prompt_logprobs is not None and computed.num_tokens > request.score_from:
+                computed = computed.cut(request.score_from, self.kv.block_size)  # those tokens' logits are asked for
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
                                             computed.hit)
@@ -161,6 +160,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 history=request.token_history() if request.sampling_params.adjusts_logits
                 or request.sampling_params.prompt_logprobs is not None else None,
+                score_from=request.score_from,
             )
         )
         out.block_copies.extend(copies)

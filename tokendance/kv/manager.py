@@ -91,6 +91,14 @@ class ComputedKV:
     num_tokens: int
     num_cached: int
 
+    def cut(self, num_tokens: int, block_size: int) -> ComputedKV:
+        """Only the first `num_tokens` of a prefix-cache hit (a prepared table is never cut)."""
+        if self.hit is NO_HIT and self.num_tokens:
+            raise ValueError("a prepared table cannot be cut")
+        blocks = -(-num_tokens // block_size)
+        hit = PrefixHit(self.hit.block_ids[:blocks], self.hit.block_hashes) if blocks else NO_HIT
+        return ComputedKV(hit, num_tokens, min(self.num_cached, num_tokens))
+
 
 @dataclass
 class KeptTable:

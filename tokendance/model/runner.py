@@ -26,6 +26,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # when sampling_params.logprobs is set
     # request id -> (prompt position, its TokenLogprobs) for the prompt tokens this step computed
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> (prompt position, float32 [vocab] logits scoring it), when return_logits is set too
+    prompt_logits: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
@@ -63,10 +65,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         hidden, sample_rows = self._forward(out)
-        prompt_logprobs = self._prompt_logprobs(out, hidden)
+        prompt_logprobs, prompt_logits = self._prompt_logprobs(out, hidden)
         samplers = [item for item in out.scheduled if item.sample]
         if not samplers:
-            return RunnerOutput({}, {}, {}, prompt_logprobs)
+            return RunnerOutput({}, {}, {}, prompt_logprobs, prompt_logits)
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_samplers, vocab]
         ids = [item.request_id for item in samplers]
         tokens = self.sampler.sample(logits, ids, [item.sampling_params for item in samplers],
@@ -82,26 +84,31 @@ class ModelRunner:
             found = token_logprobs(logits[rows], [tokens[r] for r in rows],
                                    [samplers[r].sampling_params.logprobs for r in rows])
             logprobs = {samplers[r].request_id: entry for r, entry in zip(rows, found)}
-        return RunnerOutput(dict(zip(ids, tokens)), kept, logprobs, prompt_logprobs)
+        return RunnerOutput(dict(zip(ids, tokens)), kept, logprobs, prompt_logprobs, prompt_logits)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list]:
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> tuple[dict, dict]:
         """For requests asking for prompt logprobs: each computed position p < L-1 scores prompt
-        token p+1 (its logits in slices of PROMPT_LOGPROBS_ROWS rows, bounding the memory)."""
-        found, start = {}, 0
+        token p+1 (its logits in slices of PROMPT_LOGPROBS_ROWS rows, bounding the memory). The
+        logits themselves are kept for requests that also set return_logits."""
+        found, kept, start = {}, {}, 0
         for item in out.scheduled:
             params, first = item.sampling_params, start
             start += len(item.token_ids)
             if params is None or params.prompt_logprobs is None:
                 continue
             prompt = item.history.prompt_token_ids
-            positions = [p for p in item.positions if p + 1 < len(prompt)]
-            entries = []
+            positions = [p for p in item.positions if item.score_from <= p < len(prompt) - 1]
+            entries, rows = [], []
             for i in range(0, len(positions), PROMPT_LOGPROBS_ROWS):
                 part = positions[i:i + PROMPT_LOGPROBS_ROWS]
                 logits = self.model.compute_logits(hidden[first + part[0] - item.positions[0]:][:len(part)])
                 entries += prompt_token_logprobs(logits, [prompt[p + 1] for p in part], params.prompt_logprobs)
+                if params.return_logits:
+                    rows += list(logits.float())
             found[item.request_id] = [(p + 1, entry) for p, entry in zip(positions, entries)]
-        return found
+            if params.return_logits:
+                kept[item.request_id] = [(p + 1, row) for p, row in zip(positions, rows)]
+        return found, kept
 
     @torch.inference_mode()
     def compute_kv(self, out: SchedulerOutput, num_layers: int | None = None) -> None:

@@ -48,7 +48,7 @@ class KVCollector(ReusePolicy):
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """The agent's session table, cut to the longest prefix its new prompt shares with it.
         The segments of the session after the cut stay held (pinned) for the prefill (recall)."""
-        kv, prepared = self.round_kv.kv, len(turn.token_ids) - 1
+        kv, prepared = self.round_kv.kv, turn.num_prepared
         session: Session | None = kv.unkeep(SessionKey(turn.agent_id), request_id)
         if session is None:
             kv.create_table(request_id)

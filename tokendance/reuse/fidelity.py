@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,3 +58,38 @@ def compare(reference: Sequence[RequestOutput], other: Sequence[RequestOutput]) 
         kl = (ref_log.exp() * (ref_log - got_log)).sum(-1).mean().item()
     n = max(1, len(reference))
     return Fidelity(len(reference), sum(identical) / n, sum(prefixes) / n, top1, kl, near, confident)
+
+
+@dataclass
+class ForcedScores:
+    """Teacher-forced positions scored against a reference (both computed on the same forced
+    tokens): per position KL(reference || other), whether the most likely token is the same, and
+    the reference's margin between its top two log-probabilities there."""
+
+    kl: list[float] = field(default_factory=list)
+    same_top1: list[bool] = field(default_factory=list)
+    margin: list[float] = field(default_factory=list)
+
+    def add(self, reference: torch.Tensor, other: torch.Tensor) -> None:
+        """reference, other: logits [positions, vocab] at the same positions."""
+        ref, got = reference.float().log_softmax(-1), other.float().log_softmax(-1)
+        self.kl += (ref.exp() * (ref - got)).sum(-1).clamp(min=0).tolist()
+        self.same_top1 += (ref.argmax(-1) == got.argmax(-1)).tolist()
+        top = ref.topk(2, dim=-1).values
+        self.margin += (top[:, 0] - top[:, 1]).tolist()
+
+    def extend(self, other: ForcedScores) -> None:
+        self.kl += other.kl
+        self.same_top1 += other.same_top1
+        self.margin += other.margin
+
+    def summary(self) -> dict:
+        """top-1 agreement, KL mean and p99, and the flipped top-1 choices by the reference's
+        margin there (a flip above 0.5 nats is one no numeric change of this model makes)."""
+        if not self.kl:
+            return {"positions": 0}
+        kl = torch.tensor(self.kl, dtype=torch.float64)
+        flips = [m for m, same in zip(self.margin, self.same_top1) if not same]
+        return {"positions": len(self.kl), "top1_agreement": sum(self.same_top1) / len(self.kl),
+                "kl_mean": kl.mean().item(), "kl_p99": kl.quantile(0.99).item(),
+                "flips_over_half_nat": sum(m > 0.5 for m in flips), "flips_over_2_nats": sum(m > NEAR_TIE_NATS for m in flips)}

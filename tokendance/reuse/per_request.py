@@ -28,8 +28,8 @@ class PerRequestReuse(ReusePolicy):
     name = "pic"
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
-        """A private table for [0, L-1), its prefix from the prefix cache."""
-        kv, prepared = self.round_kv.kv, len(turn.token_ids) - 1
+        """A private table for the tokens it prepares, its prefix from the prefix cache."""
+        kv, prepared = self.round_kv.kv, turn.num_prepared
         hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
         cached = min(hit.num_tokens(kv.block_size), prepared)
         copies = kv.allocate_slots(request_id, prepared, cached, hit)

@@ -61,8 +61,9 @@ class AgentPrefill:
 
     @property
     def num_prepared(self) -> int:
-        """Tokens this prefill covers: all but the last (the scheduler computes it and samples)."""
-        return len(self.turn.token_ids) - 1
+        """Tokens this prefill covers: all but the last (the scheduler computes it and samples),
+        or all before a scored tail (`TokenizedTurn.num_prepared`)."""
+        return self.turn.num_prepared
 
     @property
     def num_cached(self) -> int:

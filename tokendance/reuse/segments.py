@@ -51,13 +51,25 @@ class TokenizedTurn:
     namespace: str
     token_ids: list[int]
     spans: list[PromptSpan] = field(default_factory=list)
+    # prompt_logprobs asked: the scheduler computes the prompt's private tail (the tokens after
+    # its last shared segment) and the token before it, for their logits
+    score_tail: bool = False
+
+    @property
+    def num_prepared(self) -> int:
+        """Tokens a round prepares before the scheduler takes the prompt over: all but the last
+        (its logits give the first output token), or all before the scored tail."""
+        last = len(self.token_ids) - 1
+        if not self.score_tail:
+            return last
+        tail = max((s.end for s in self.spans if s.key is not None), default=0)
+        return max(0, min(last, tail - 1))
 
     @property
     def shared_spans(self) -> list[PromptSpan]:
-        """Shared spans that can be served from shared KV: all but one ending at the prompt's
-        last token, which is always computed (its logits give the first output token)."""
-        last = len(self.token_ids) - 1
-        return [s for s in self.spans if s.key is not None and s.end <= last]
+        """Shared spans that can be served from shared KV: those within the prepared tokens."""
+        end = self.num_prepared
+        return [s for s in self.spans if s.key is not None and s.end <= end]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -185,6 +197,19 @@ def _turn_segments(tokenizer: ChatTokenizer, turn: AgentTurn) -> list[tuple[list
         if ids:
             segments.append((ids, segment.shared))
     return segments
+
+
+def with_continuation(tokenizer: ChatTokenizer, turn: AgentTurn, token_ids: Sequence[int]) -> AgentTurn:
+    """The turn with `token_ids` appended as its last, private segment, to be scored in a round
+    (`SamplingParams(prompt_logprobs=k)`: teacher forcing over the round's reused KV). Its other
+    segments are the ones the turn itself has, so they are shared exactly as in the turn."""
+    if turn.messages is not None:
+        validate_messages(turn.messages)
+        pieces = [Segment(token_ids=ids) for ids in chat_segments(tokenizer, turn.messages)]
+    else:
+        pieces = [Segment(text=s) if isinstance(s, str) else s for s in turn.segments]
+    return AgentTurn(turn.agent_id, segments=[*pieces, Segment(token_ids=list(token_ids), shared=False)],
+                     namespace=turn.namespace)
 
 
 def validate_messages(messages) -> None:

@@ -1,0 +1,100 @@
+"""`tokendance bench --fidelity`: every reuse setting against `full` on the numeric noise floor.
+
+Each setting runs the workload twice on fresh engines. First free-running (greedy), which gives
+its identical outputs and its shared-span compression. Then teacher-forced: every agent's prompt
+of each round is followed by `full`'s own output as a private segment, scored in the round over
+the KV the setting prepared (`SamplingParams(prompt_logprobs=...)`). Every setting is so compared
+with `full` position by position on the same tokens. `full` in the other dtype is the floor: a
+change that everyone accepts as exact. Each metric is also given as a ratio to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokendance.bench.simulation import Simulation
+from tokendance.model.platform import dtype_name
+from tokendance.registry import REUSE_POLICIES
+from tokendance.reuse.fidelity import ForcedScores, compare
+from tokendance.reuse.segments import with_continuation
+from tokendance.sampling import SamplingParams
+
+SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, return_logits=True)
+
+
+def floor_dtype(dtype: str) -> str:
+    """The other dtype than the one `dtype` runs in: its `full` is the noise floor."""
+    return "float32" if dtype_name(dtype) == "bfloat16" else "bfloat16"
+
+
+def variants(args) -> dict[str, dict]:
+    """label -> engine arguments: `full` first (the reference), the floor, every mode at the
+    bench's ratio, tokendance at each sweep ratio and at 1.0 (exact by construction)."""
+    found = {"full": {"reuse": "full"}, f"full-{floor_dtype(args.dtype)}": {"reuse": "full", "dtype": floor_dtype(args.dtype)}}
+    for mode in args.modes or list(REUSE_POLICIES):
+        if mode != "full":
+            found[mode] = {"reuse": mode}
+    for ratio in sorted({*(args.sweep_ratios or ()), 1.0}):
+        found.setdefault(f"tokendance@{ratio:g}", {"reuse": "tokendance", "recompute_ratio": ratio})
+    return found
+
+
+def scored_rounds(rounds: int) -> range:
+    """Rounds that reuse what earlier rounds said: all but the first, if there are more."""
+    return range(1 if rounds > 1 else 0, rounds)
+
+
+def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
+    """The report's rows. `engines_for(labelled variants)` builds fresh engines and
+    `on_round(text)` reports progress; engines are dropped after each pass."""
+    labels = variants(args)
+    closed = args.loop == "closed"
+    engines = engines_for(labels)
+    free = Simulation(workload, engines, closed_loop=closed, max_tokens=args.max_tokens)
+    for r in range(args.rounds):
+        free.step(on_mode=lambda label: on_round(f"fidelity free round {r + 1} {label}"))
+    engines.clear()
+    reference = free.traces["full"]
+    scores = {label: ForcedScores() for label in labels if label != "full"}
+    engines = engines_for(labels)
+    for r in range(args.rounds):
+        history = reference.history if closed else [workload.synthetic_outputs(i) for i in range(r)]
+        turns = workload.turns(r, history[:r])
+        forced = [with_continuation(loaded.tokenizer, t, o.token_ids) for t, o in zip(turns, reference.results[r].outputs)]
+        expected = None
+        for label, llm in engines.items():
+            on_round(f"fidelity forced round {r + 1} {label}")
+            logits = [torch.stack([o.prompt_logits[p] for p in sorted(o.prompt_logits)]) for o in
+                      llm.run_round(forced, SCORE).outputs]
+            if label == "full":
+                expected = logits
+            elif r in scored_rounds(args.rounds):
+                for ref, got in zip(expected, logits):
+                    scores[label].add(ref, got)
+    engines.clear()
+    return rows(free, scores, labels, floor=f"full-{floor_dtype(args.dtype)}", rounds=scored_rounds(args.rounds))
+
+
+def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, dict], floor: str,
+         rounds: range) -> list[dict]:
+    """One row per setting: identical outputs and compression of the free run, the forced scores,
+    and each score's ratio to the floor's."""
+    reference = free.traces["full"].results
+    found = []
+    for label, forced in scores.items():
+        results = [free.traces[label].results[r] for r in rounds]
+        same = [compare(reference[r].outputs, result.outputs) for r, result in zip(rounds, results)]
+        found.append({"setting": label, **labels[label],
+                      "identical_fraction": sum(s.identical_fraction for s in same) / len(same),
+                      "shared_compression": sum(r.stats.shared_compression for r in results) / len(results),
+                      **forced.summary()})
+    base = next(r for r in found if r["setting"] == floor)
+    for row in found:
+        row["kl_mean_ratio"] = _ratio(row["kl_mean"], base["kl_mean"])
+        row["kl_p99_ratio"] = _ratio(row["kl_p99"], base["kl_p99"])
+        row["disagreement_ratio"] = _ratio(1 - row["top1_agreement"], 1 - base["top1_agreement"])
+    return found
+
+
+def _ratio(value: float, floor: float) -> float | None:
+    return None if floor <= 0 else value / floor
