@@ -7,11 +7,17 @@ pool and compares, token by token, the keys (rotated to the agent's positions) a
 every token its table reads from another agent's slots (a master), in float32 by default:
 
     python benchmarks/kv_deviation.py --workload generative-agents --agents 8
+
+It also asks whether the deviation could be corrected cheaply: per span, layer and KV head, the
+share of its energy left after subtracting the span's mean deviation (the best one shift per span
+can do), after subtracting the mean of a recompute-ratio sample of its tokens (what the tokens a
+round recomputes would estimate), and after subtracting one mean per agent.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 from collections import defaultdict
 
 import torch
@@ -43,7 +49,31 @@ def full_kv(llm: LLM, token_ids: list[int]) -> list[int]:
     return slots
 
 
-def measure(llm: LLM, turns) -> tuple[dict, dict, int, int]:
+class ShiftCorrection:
+    """Per (layer, kind): energy of the deviation, and what is left after each shift correction."""
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio, self.rng = ratio, random.Random(seed)
+        self.sums = defaultdict(lambda: torch.zeros(5, dtype=torch.float64))
+
+    def add(self, layer: int, kind: str, deviations: list[torch.Tensor]) -> None:
+        """deviations: per span, fresh minus reused KV [tokens, heads, dim] of its reused tokens."""
+        agent_mean = torch.cat(deviations).mean(0)
+        entry = self.sums[(layer, kind)]
+        for d in deviations:
+            d = d.double()
+            sample = self.rng.sample(range(len(d)), max(1, round(self.ratio * len(d))))
+            rest = [i for i in range(len(d)) if i not in set(sample)]
+            entry += torch.stack([d.pow(2).sum(), (d - d.mean(0)).pow(2).sum(), d[rest].pow(2).sum(),
+                                  (d[rest] - d[sample].mean(0)).pow(2).sum(), (d - agent_mean).pow(2).sum()])
+
+    def rows(self):
+        for (layer, kind), (energy, span, sampled, after_sample, agent) in sorted(self.sums.items()):
+            if energy > 0 and sampled > 0:
+                yield layer, kind, (span / energy).item(), (after_sample / sampled).item(), (agent / energy).item()
+
+
+def measure(llm: LLM, turns, shifts: ShiftCorrection) -> tuple[dict, dict, int, int]:
     engine, runner = llm.engine, llm.engine.runner
     cache = runner.kv_cache
     layers = len(cache.keys)
@@ -64,9 +94,17 @@ def measure(llm: LLM, turns) -> tuple[dict, dict, int, int]:
         for span in turn.spans:
             for p in range(span.start, min(span.end, len(prompt))):
                 offsets[p] = p - span.start
+        moved_set = set(moved)
+        spans = [ps for s in turn.spans if len(ps := [p for p in range(s.start, min(s.end, len(prompt))) if p in moved_set]) >= 4]
         reference = full_kv(llm, prompt)
         try:
             for layer in range(layers):
+                if spans:
+                    shifts.add(layer, "K", [runner.read_keys(layer, [reference[p] for p in ps], ps)
+                                            - runner.read_keys(layer, [session[p] for p in ps], ps) for ps in spans])
+                    shifts.add(layer, "V", [cache.values[layer][torch.tensor([reference[p] for p in ps])].float()
+                                            - cache.values[layer][torch.tensor([session[p] for p in ps])].float()
+                                            for ps in spans])
                 got_k = runner.read_keys(layer, [session[p] for p in moved], moved)
                 ref_k = runner.read_keys(layer, [reference[p] for p in moved], moved)
                 got_v = cache.values[layer][slots[moved]].float()
@@ -106,7 +144,8 @@ def main() -> None:
         simulation.step()
     last = args.rounds - 1
     turns = workload.turns(last, [workload.synthetic_outputs(i) for i in range(last)])
-    by_layer, by_offset, reused, total = measure(llm, turns)
+    shifts = ShiftCorrection(llm.engine.config.recompute_ratio)
+    by_layer, by_offset, reused, total = measure(llm, turns, shifts)
     print(f"{args.workload}, {args.agents} agents, round {args.rounds}, {llm.engine.dtype}, CPU "
           f"{torch.backends.cpu.get_cpu_capability()}: {reused} of {total} prompt tokens read from masters")
     print("\nlayer  key rel. error  value rel. error")
@@ -115,6 +154,11 @@ def main() -> None:
     print("\noffset in span  tokens  key rel. error  value rel. error (mean over layers)")
     for name, (k, v, n) in sorted(by_offset.items(), key=lambda item: int(item[0].split("-")[0].rstrip("+"))):
         print(f"{name:>14}  {round(n):6d}  {k / n:13.4f}  {v / n:16.4f}")
+    print(f"\nshare of the deviation's energy left after a shift correction (spans of >= 4 reused tokens; "
+          f"sample: {shifts.ratio:g} of each span)")
+    print("layer  K/V  span's own mean  mean of the sample  agent's mean")
+    for layer, kind, span, sampled, agent in shifts.rows():
+        print(f"{layer:5d}  {kind:>3}  {span:15.3f}  {sampled:18.3f}  {agent:12.3f}")
 
 
 if __name__ == "__main__":

@@ -101,23 +101,27 @@ def test_capacity_trial_judges_memory(loaded_model):
 
 
 def test_noise_floor_report_scores_every_setting_on_fulls_tokens(tmp_path, model_weights):
-    """`--fidelity` alone: every setting teacher-forced on full's output of the scored rounds, at
-    the same positions, beside full in the other dtype (the floor, its own ratio 1)."""
+    """`--fidelity` alone: every setting teacher-forced on full's output, at the same positions,
+    beside full in the other dtype (the floor, its own ratio 1), with the task's accuracy."""
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
-    args = bench_args("--fidelity", "--rounds", "2", "--modes", "prefix", "tokendance", "--max-tokens", "4",
-                      "--sweep-ratios", "--sweep-agents", "3", "--out", str(out), "--plots", str(plots))
+    args = bench_args("--fidelity", "--workload", "fact-recall", "--rounds", "2", "--modes", "prefix", "tokendance",
+                      "--max-tokens", "4",
+                      "--sweep-ratios", "0", "--sweep-selections", "epic", "--sweep-agents", "3", "--out", str(out), "--plots", str(plots))
     assert run_rounds(args) == 0
     results = json.loads(out.read_text())
     assert "rounds" not in results and "sweep" not in results
-    rows = {r["setting"]: r for r in results["fidelity"]}
-    floor = next(label for label in rows if label.startswith("full-"))
-    assert set(rows) == {floor, "prefix", "tokendance", "tokendance@1"}
+    rows = {r["setting"]: r for r in results["fidelity"]["rows"]}
+    floor = results["fidelity"]["floor"]
+    assert set(rows) == {floor, "prefix", "tokendance", "epic@0", "tokendance@1"}
     assert rows[floor]["kl_mean_ratio"] == 1.0
     for row in rows.values():
-        assert row["positions"] == 3 * 4  # agents x forced tokens of round 2
+        assert row["positions"] == 2 * 3 * 4  # rounds x agents x forced tokens
         assert row["kl_mean"] >= 0 and 0 <= row["top1_agreement"] <= 1
         assert row["flips_over_2_nats"] <= row["flips_over_half_nat"]
     assert rows["tokendance"]["shared_compression"] > 1 and rows["tokendance@1"]["shared_compression"] == 1
     for exact in ("prefix", "tokendance@1"):  # exact up to numeric noise: no confident flip
         assert rows[exact]["flips_over_half_nat"] == 0 and rows[exact]["top1_agreement"] >= 0.9
-    assert (plots / "generative-agents-noise-floor.png").stat().st_size > 0
+    assert 0 <= results["fidelity"]["reference_accuracy"] <= 1
+    for row in rows.values():  # graded against the workload's ground truth, and against full's answers
+        assert 0 <= row["task_accuracy"] <= 1 and 0 <= row["changed_answers"] <= 1
+    assert (plots / "fact-recall-noise-floor.png").stat().st_size > 0

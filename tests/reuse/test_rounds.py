@@ -404,3 +404,24 @@ def test_rounds_score_a_continuation_over_their_reused_kv(make_llm):
     agree = [ours.prompt_logits[p].argmax() == logits.argmax()
              for ours, ref in zip(result.outputs, scored) for p, logits in ref.prompt_logits.items()]
     assert len(agree) == 32 and sum(agree) >= 24
+
+
+@pytest.mark.parametrize("mode", ["tokendance", "pic"])
+def test_round_cost_accounts_for_every_computed_token(make_llm, mode):
+    """The cost account splits exactly what the prefill computed, and never falls below its bound
+    (each new token once, the ratio of the reusable ones); at ratio 1.0 it is the bound plus the
+    check pass."""
+    for ratio in (0.2, 1.0):
+        llm = make_llm(reuse=mode, recompute_ratio=ratio, selection="cacheblend")
+        for rounds in (1, 2):  # round 2: sessions and recalled segments too
+            stats = llm.run_round(round_turns(rounds), PARAMS).stats
+            cost = stats.cost
+            assert cost.total == pytest.approx(stats.computed_tokens)
+            assert cost.last == len(AGENTS) and cost.check > 0
+            assert cost.new_shared > 0 and cost.private > 0
+            assert cost.bound <= cost.total + 1e-6
+            if ratio == 1.0:
+                assert cost.total - cost.check == pytest.approx(cost.bound)
+            else:
+                assert cost.recomputed > 0 and stats.reused_tokens > 0
+    assert make_llm(reuse="prefix").run_round(round_turns(1), PARAMS).stats.cost is None

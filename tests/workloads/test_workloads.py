@@ -95,6 +95,28 @@ def test_debate_excludes_own_answers(tokenizer):
     assert all(150 <= w.output_tokens(a, r) <= 300 for a in w.agents for r in range(3))
 
 
+def test_fact_recall_asks_a_fact_another_agent_stated_and_grades_it(tokenizer):
+    w = make_workload("fact-recall", 8, seed=3)
+    for r in range(3):
+        facts, turns = w.facts(r), w.turns(r, synthetic_history(w, r))
+        for attribute in {a for agent_facts in facts.values() for a in agent_facts}:
+            values = [f[attribute] for f in facts.values() if attribute in f]
+            assert len(values) == len(set(values))  # an answer names one agent's fact
+        for turn in turns:
+            subject, attribute = w.question(turn.agent_id, r)
+            answer = facts[subject][attribute]
+            assert subject != turn.agent_id and w.answer(turn.agent_id, r) == answer
+            statement = f"{w.names[subject]}: {w.synthetic_output(subject, r)}"
+            assert statement in [m["content"] for m in turn.messages] and answer in statement
+            assert w.names[subject] in turn.messages[-1]["content"]
+            assert w.grade(turn.agent_id, r, f" {answer.upper()}.\nMore text") is True
+            assert w.grade(turn.agent_id, r, f"I do not know.\n{answer}") is False
+            assert w.grade(turn.agent_id, r, f"{answer}0") is False  # a whole word only
+        tokenized = tokenize_round(tokenizer, turns)
+        assert all(len(t.shared_spans) >= len(w.agents) for t in tokenized)  # every statement, and the header
+    assert make_workload("generative-agents", 2).grade("agent000", 0, "x") is None
+
+
 def test_bad_parameters_are_rejected():
     with pytest.raises(InvalidRequestError):
         make_workload("town-hall")

@@ -13,6 +13,7 @@ import argparse
 
 from tokendance import registry
 from tokendance.server.cli import parse_bytes
+from tokendance.workloads import WORKLOADS
 
 CAPACITY_KV_BYTES = 160 * 2**20  # capacity's default budget
 
@@ -30,7 +31,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity"],
                         help="rounds: modes side by side per round (default); capacity: max agents per mode")
     parser.add_argument("--workload", default="generative-agents",
-                        choices=["generative-agents", "agent-society", "debate"], help="the multi-agent workload")
+                        choices=list(WORKLOADS), help="the multi-agent workload (fact-recall: a task graded against its ground truth)")
     parser.add_argument("--agents", type=int, nargs="+", default=None,
                         help="numbers of agents (default: 4 8 16; debate: 3)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per simulation")

@@ -29,19 +29,17 @@ def floor_dtype(dtype: str) -> str:
 
 def variants(args) -> dict[str, dict]:
     """label -> engine arguments: `full` first (the reference), the floor, every mode at the
-    bench's ratio, tokendance at each sweep ratio and at 1.0 (exact by construction)."""
-    found = {"full": {"reuse": "full"}, f"full-{floor_dtype(args.dtype)}": {"reuse": "full", "dtype": floor_dtype(args.dtype)}}
+    bench's ratio, tokendance at each sweep (selection, ratio), and at 1.0 (exact by construction)."""
+    floor = floor_dtype(args.dtype)
+    found = {"full": {"reuse": "full"}, f"full-{floor}": {"reuse": "full", "dtype": floor}}
     for mode in args.modes or list(REUSE_POLICIES):
         if mode != "full":
             found[mode] = {"reuse": mode}
-    for ratio in sorted({*(args.sweep_ratios or ()), 1.0}):
-        found.setdefault(f"tokendance@{ratio:g}", {"reuse": "tokendance", "recompute_ratio": ratio})
+    for selection in args.sweep_selections:
+        for ratio in args.sweep_ratios or ():
+            found[f"{selection}@{ratio:g}"] = {"reuse": "tokendance", "selection": selection, "recompute_ratio": ratio}
+    found["tokendance@1"] = {"reuse": "tokendance", "recompute_ratio": 1.0}
     return found
-
-
-def scored_rounds(rounds: int) -> range:
-    """Rounds that reuse what earlier rounds said: all but the first, if there are more."""
-    return range(1 if rounds > 1 else 0, rounds)
 
 
 def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
@@ -68,32 +66,47 @@ def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
                       llm.run_round(forced, SCORE).outputs]
             if label == "full":
                 expected = logits
-            elif r in scored_rounds(args.rounds):
+            else:
                 for ref, got in zip(expected, logits):
                     scores[label].add(ref, got)
     engines.clear()
-    return rows(free, scores, labels, floor=f"full-{floor_dtype(args.dtype)}", rounds=scored_rounds(args.rounds))
+    found = rows(free, scores, labels, floor=f"full-{floor_dtype(args.dtype)}")
+    return {"agents": len(workload.agents), "rounds": args.rounds, "floor": f"full-{floor_dtype(args.dtype)}",
+            "reference_accuracy": accuracy(workload, reference.results, reference.results)[0], "rows": found}
 
 
-def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, dict], floor: str,
-         rounds: range) -> list[dict]:
-    """One row per setting: identical outputs and compression of the free run, the forced scores,
-    and each score's ratio to the floor's."""
+def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, dict], floor: str) -> list[dict]:
+    """One row per setting: identical outputs, compression and task accuracy of the free run, the
+    forced scores, and each score's ratio to the floor's."""
     reference = free.traces["full"].results
     found = []
     for label, forced in scores.items():
-        results = [free.traces[label].results[r] for r in rounds]
-        same = [compare(reference[r].outputs, result.outputs) for r, result in zip(rounds, results)]
+        results = free.traces[label].results
+        same = [compare(ref.outputs, result.outputs) for ref, result in zip(reference, results)]
+        right, changed = accuracy(free.workload, results, reference)
         found.append({"setting": label, **labels[label],
                       "identical_fraction": sum(s.identical_fraction for s in same) / len(same),
                       "shared_compression": sum(r.stats.shared_compression for r in results) / len(results),
-                      **forced.summary()})
+                      "task_accuracy": right, "changed_answers": changed, **forced.summary()})
     base = next(r for r in found if r["setting"] == floor)
     for row in found:
         row["kl_mean_ratio"] = _ratio(row["kl_mean"], base["kl_mean"])
         row["kl_p99_ratio"] = _ratio(row["kl_p99"], base["kl_p99"])
         row["disagreement_ratio"] = _ratio(1 - row["top1_agreement"], 1 - base["top1_agreement"])
+        row["changed_answers_ratio"] = None if row["changed_answers"] is None else \
+            _ratio(row["changed_answers"], base["changed_answers"])
     return found
+
+
+def accuracy(workload, results, reference) -> tuple[float | None, float | None]:
+    """For a graded workload: the share of answers right, and of answers whose correctness differs
+    from the reference's (None, None for workloads without a ground truth)."""
+    graded = [(workload.grade(o.agent_id, r, o.text), workload.grade(o.agent_id, r, ref.text))
+              for r, (result, expected) in enumerate(zip(results, reference))
+              for o, ref in zip(result.outputs, expected.outputs)]
+    if not graded or graded[0][0] is None:
+        return None, None
+    return sum(g for g, _ in graded) / len(graded), sum(g != e for g, e in graded) / len(graded)
 
 
 def _ratio(value: float, floor: float) -> float | None:

@@ -42,6 +42,21 @@ def format_sweep(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_cost(rows: list[dict]) -> str:
+    """Each prepared round's compute by kind beside its bound (full-model token equivalents)."""
+    lines = [f"{'N':>4} {'rd':>2} {'mode':<11}{'new shared':>11}{'again':>7}{'private':>8}{'recomp':>7}{'check':>7}"
+             f"{'last':>6}{'total':>8}{'bound':>8}{'x bound':>8}"]
+    for r in rows:
+        c = r.get("cost")
+        if not c:
+            continue
+        total = c["new_shared"] + c["shared_again"] + c["private"] + c["recomputed"] + c["check"] + c["last"]
+        lines.append(f"{r['agents']:>4} {r['round']:>2} {r['mode']:<11}{c['new_shared']:>11}{c['shared_again']:>7}"
+                     f"{c['private']:>8}{c['recomputed']:>7}{c['check']:>7.0f}{c['last']:>6}{total:>8.0f}{c['bound']:>8.0f}"
+                     f"{total / max(1.0, c['bound']):>8.2f}")
+    return "\n".join(lines)
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -169,19 +184,25 @@ def plot_fidelity(sweep: list[dict], path: Path, title: str, default_ratio: floa
     plt.close(fig)
 
 
-def format_noise_floor(rows: list[dict]) -> str:
+def format_noise_floor(report: dict) -> str:
     """The teacher-forced report: each setting against full, and as a multiple of the floor."""
-    lines = [f"{'setting':<18}{'shared x':>9}{'same':>6}{'top1':>7}{'KL mean':>9}{'x floor':>8}{'KL p99':>8}"
-             f"{'x floor':>8}{'flips >0.5':>11}{'>2 nats':>8}{'positions':>10}"]
-    for r in rows:
+    lines = [f"{report['agents']} agents, {report['rounds']} rounds, teacher-forced on full's output; "
+             f"floor: {report['floor']}"]
+    graded = report["reference_accuracy"] is not None
+    if graded:
+        lines[0] += f"; full answers {report['reference_accuracy']:.1%} right"
+    lines.append(f"{'setting':<22}{'shared x':>9}{'same':>6}{'top1':>7}{'KL mean':>9}{'x floor':>8}{'KL p99':>8}"
+                 f"{'x floor':>8}{'flips >0.5':>11}{'>2 nats':>8}{'positions':>10}" + (f"{'right':>7}{'changed':>8}" if graded else ""))
+    for r in report["rows"]:
         lines.append(
-            f"{r['setting']:<18}{r['shared_compression']:>9.2f}{r['identical_fraction']:>6.2f}{r['top1_agreement']:>7.3f}"
+            f"{r['setting']:<22}{r['shared_compression']:>9.2f}{r['identical_fraction']:>6.2f}{r['top1_agreement']:>7.3f}"
             f"{r['kl_mean']:>9.4f}{_num(r['kl_mean_ratio'], 8, 1)}{r['kl_p99']:>8.3f}{_num(r['kl_p99_ratio'], 8, 1)}"
-            f"{r['flips_over_half_nat']:>11}{r['flips_over_2_nats']:>8}{r['positions']:>10}")
+            f"{r['flips_over_half_nat']:>11}{r['flips_over_2_nats']:>8}{r['positions']:>10}"
+            + (f"{r['task_accuracy']:>7.1%}{r['changed_answers']:>8.1%}" if graded else ""))
     return "\n".join(lines)
 
 
-def plot_noise_floor(rows: list[dict], path: Path, title: str) -> None:
+def plot_noise_floor(report: dict, path: Path, title: str) -> None:
     """Mean KL to full as a multiple of the floor's against shared-span compression, one point per
     setting, the floor (1x) marked."""
     import matplotlib
@@ -190,7 +211,7 @@ def plot_noise_floor(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for number, r in enumerate(rows):
+    for number, r in enumerate(report["rows"]):
         if r["kl_mean_ratio"] is None:
             continue
         ax.plot(r["shared_compression"], max(r["kl_mean_ratio"], 1e-3), marker="osD^vP*X"[number % 8], linestyle="none",

@@ -58,6 +58,7 @@ def run_rounds(args) -> int:
         bar.write(f"\n{machine['dtype']}, CPU {machine['cpu_capability']}")
         if rows:
             bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
+            bar.write("\nround prefill cost by kind, beside its bound (reuse/cost.py)\n" + report.format_cost(rows))
         if sweep_runs:
             results["sweep"] = sweep(loaded, args, bar)
             save()
@@ -86,8 +87,7 @@ def write_plots(args, results: dict, agent_counts: list[int]) -> None:
         title = report.caption(args.workload, [args.sweep_agents], f"all {args.rounds} rounds", args.loop, machine)
         report.plot_fidelity(results["sweep"], plots / f"{args.workload}-fidelity.png", title, args.ratio)
     if results.get("fidelity"):
-        scored = fidelity.scored_rounds(args.rounds)
-        title = report.caption(args.workload, [args.sweep_agents], f"rounds {scored.start + 1}-{scored.stop} teacher-forced",
+        title = report.caption(args.workload, [args.sweep_agents], f"{args.rounds} rounds teacher-forced",
                                args.loop, machine)
         report.plot_noise_floor(results["fidelity"], plots / f"{args.workload}-noise-floor.png", title)
     print(f"plots in {plots}/")

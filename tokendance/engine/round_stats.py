@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tokendance.kv.manager import KVCacheManager
 from tokendance.outputs import RequestOutput
+from tokendance.reuse.cost import RoundCost
 from tokendance.reuse.round_kv import PrefillReport
 from tokendance.reuse.segments import TokenizedTurn
 
@@ -59,6 +60,7 @@ class RoundStats:
     decode_kv_bytes_requested: int = 0
     decode_kv_mb_per_step: float = 0.0
     decode_read_reduction: float = 0.0  # requested / read: how many times less than per-agent reads
+    cost: RoundCost | None = None  # the prefill's compute by kind and its bound (modes that prepare KV)
     agents: list[AgentKVStats] = field(default_factory=list)
 
 
@@ -81,6 +83,7 @@ def fill_times(stats: RoundStats, report: PrefillReport, outputs: list[RequestOu
     stats.computed_tokens = report.computed_tokens + scheduler_side
     stats.reused_tokens = report.reused_tokens
     stats.recomputed_tokens = report.recomputed_tokens
+    stats.cost = report.cost
 
 
 def _times(outputs: list[RequestOutput], started: float) -> tuple[float, float]:
@@ -158,5 +161,9 @@ def merge_waves(waves: list[tuple[list[RequestOutput], RoundStats]], started: fl
     for name in SUMMED:
         setattr(stats, name, sum(getattr(w, name) for _, w in waves))
     stats.agents = [a for _, w in waves for a in w.agents]
+    if all(w.cost is not None for _, w in waves):
+        stats.cost = RoundCost()
+        for _, w in waves:
+            stats.cost.add(w.cost)
     derive(stats)
     return stats

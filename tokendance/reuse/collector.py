@@ -27,6 +27,7 @@ from tokendance.reuse.round_kv import (
     private_positions,
 )
 from tokendance.reuse.policy import ReusePolicy
+from tokendance.reuse.cost import account
 from tokendance.reuse.segments import TokenizedTurn, common_prefix
 
 
@@ -104,7 +105,8 @@ class KVCollector(ReusePolicy):
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
-        report.computed_tokens += yield from self._select(others)
+        check = yield from self._select(others)
+        report.computed_tokens += check
         report.selection_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -116,6 +118,7 @@ class KVCollector(ReusePolicy):
         report.computed_tokens += yield from rk.recompute(others, private_positions, releases=True)
         report.recompute_seconds = time.perf_counter() - started
         count_reuse(agents, report)
+        report.cost = account(agents, rk.selector.ratio, check)
         return report
 
     def _select(self, agents: list[AgentPrefill]):

@@ -13,6 +13,7 @@ from tokendance.reuse.round_kv import (
     count_reuse,
     private_positions,
 )
+from tokendance.reuse.cost import account
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.segments import TokenizedTurn
 
@@ -45,15 +46,18 @@ class PerRequestReuse(ReusePolicy):
 
     def prefill(self, agents: list[AgentPrefill]) -> Prefill:
         report = PrefillReport()
+        check = 0.0
         for agent in agents:  # each agent is ready once its own recompute ran
-            yield from self._prefill_one(agent, report)
+            check += yield from self._prefill_one(agent, report)
         count_reuse(agents, report)
+        report.cost = account(agents, self.round_kv.selector.ratio, check)
         return report
 
     def _prefill_one(self, agent: AgentPrefill, report: PrefillReport):
         """Spans seen before are reused; the first agent holding a span computes it in full and
-        its KV becomes the span's base (as a KV store fills from the requests it serves)."""
-        rk = self.round_kv
+        its KV becomes the span's base (as a KV store fills from the requests it serves). Returns
+        the cost of its check pass."""
+        rk, check = self.round_kv, 0.0
         started = time.perf_counter()
         agent.reused_spans = [i for i in agent.spans_to_reuse() if agent.turn.spans[i].key in rk.masters]
         slots = rk.kv.get_slots(agent.table_id)
@@ -66,7 +70,8 @@ class PerRequestReuse(ReusePolicy):
         selector = rk.selector
         if selector.needs_check_pass and agent.reused_spans:
             (keys,) = yield from rk.check_keys([agent])
-            report.computed_tokens += (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
+            check = (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
+            report.computed_tokens += check
         for index in agent.reused_spans:
             span = agent.turn.spans[index]
             deviation = None
@@ -80,3 +85,4 @@ class PerRequestReuse(ReusePolicy):
         rk.register_masters(agent)  # before it runs: its blocks are held for the agents after it
         report.computed_tokens += yield from rk.recompute([agent], private_positions, releases=True)
         report.recompute_seconds += time.perf_counter() - started
+        return check

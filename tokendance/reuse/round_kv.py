@@ -111,6 +111,7 @@ class PrefillReport:
     computed_tokens: float = 0.0
     recomputed_tokens: int = 0  # selected tokens of reused spans
     reused_tokens: int = 0  # tokens of reused spans served from shared KV
+    cost: object = None  # RoundCost (reuse/cost.py), by kind and beside its bound
 
 
 Prefill = Generator[Work | Ready, None, PrefillReport]  # what a policy's `prefill` is

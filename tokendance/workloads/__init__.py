@@ -6,11 +6,12 @@ from tokendance.errors import InvalidRequestError
 from tokendance.workloads.agent_society import AgentSociety
 from tokendance.workloads.base import ORDERS, History, Workload
 from tokendance.workloads.debate import Debate
+from tokendance.workloads.fact_recall import FactRecall
 from tokendance.workloads.generative_agents import GenerativeAgents
 
-WORKLOADS: dict[str, type[Workload]] = {w.name: w for w in (GenerativeAgents, AgentSociety, Debate)}
+WORKLOADS: dict[str, type[Workload]] = {w.name: w for w in (GenerativeAgents, AgentSociety, Debate, FactRecall)}
 
-__all__ = ["ORDERS", "WORKLOADS", "AgentSociety", "Debate", "GenerativeAgents", "History", "Workload", "make_workload"]
+__all__ = ["ORDERS", "WORKLOADS", "AgentSociety", "Debate", "FactRecall", "GenerativeAgents", "History", "Workload", "make_workload"]
 
 
 def make_workload(name: str, num_agents: int | None = None, seed: int = 0, order: str | None = None) -> Workload:

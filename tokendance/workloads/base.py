@@ -59,6 +59,10 @@ class Workload:
     def synthetic_output(self, agent: str, round_index: int) -> str:
         raise NotImplementedError
 
+    def grade(self, agent: str, round_index: int, output: str) -> bool | None:
+        """Whether the agent's output is right, for workloads with a ground truth (else None)."""
+        return None
+
     # ------------------------------------------------------------ shared helpers
 
     def synthetic_outputs(self, round_index: int) -> dict[str, str]:
