@@ -125,3 +125,19 @@ def test_noise_floor_report_scores_every_setting_on_fulls_tokens(tmp_path, model
     for row in rows.values():  # graded against the workload's ground truth, and against full's answers
         assert 0 <= row["task_accuracy"] <= 1 and 0 <= row["changed_answers"] <= 1
     assert (plots / "fact-recall-noise-floor.png").stat().st_size > 0
+
+
+def test_capacity_search_drives_a_server(tmp_path, plain_server):
+    """`bench capacity --target`: the same search against a real server, judged on the SLO."""
+    from tokendance.bench.capacity import run_capacity
+
+    for slo, expected in ((1000.0, 2), (0.0, 0)):
+        out = tmp_path / f"capacity-{slo}.json"
+        args = bench_args("capacity", "--target", plain_server.url + "/v1", "--workload", "fact-recall", "--rounds",
+                          "2", "--max-tokens", "2", "--max-agents", "2", "--slo-seconds", str(slo), "--out", str(out))
+        assert run_capacity(args) == 0
+        (found,) = json.loads(out.read_text())["modes"].values()
+        assert found["max_agents"] == expected
+        trials = found["trials"]
+        assert [t["agents"] for t in trials] == ([1, 2] if expected else [1])
+        assert all(len(t["round_seconds"]) == 2 and t["fits"] == bool(expected) for t in trials)

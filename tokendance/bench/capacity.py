@@ -6,10 +6,17 @@ preempted, the KV each mode keeps between rounds survived (tokendance: no sessio
 prefix/pic: each agent's history prefix still served from the prefix cache), and every round
 after the first met the SLO. Agents that do not fit are evicted and recomputed by the engine, as
 always — the run goes on, it just does not count as fitting.
+
+With `--target URL` the same search drives any OpenAI-compatible server (vLLM, `tokendance
+serve`), whose KV budget is set where it is served (vLLM: `--kv-cache-memory-bytes` or
+`VLLM_CPU_KVCACHE_SPACE`; `tokendance serve --kv-cache-bytes`). Only what a client sees is judged
+there: N fits when no request failed and every round after the first met the SLO. Each trial
+sends its own `cache_salt`, so no trial is served from an earlier one's cache.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import time
@@ -127,20 +134,50 @@ def judge(trial: Trial, slo_seconds: float) -> tuple[bool, str]:
     return True, "fits"
 
 
+def run_target_trial(client, num_agents: int, args) -> Trial:
+    """`args.rounds` open-loop rounds of `num_agents` against a server, judged on the SLO."""
+    from tokendance.bench.target import run_round
+
+    workload = make_workload(args.workload, num_agents, seed=args.seed, order=args.order)
+    trial = Trial(client.model, num_agents, fits=False)
+    salted = argparse.Namespace(**{**vars(args), "cache_salt": f"capacity-{num_agents}-{time.time_ns()}"})
+    history: list = []
+    try:
+        for r in range(args.rounds):
+            trial.round_seconds.append(run_round(client, workload, r, history, salted)["round_seconds"])
+    except OSError as exc:  # a refused or failed request: the server could not serve N agents
+        trial.reason = f"request failed: {exc}"
+        return trial
+    steady = trial.round_seconds[1:] or trial.round_seconds
+    trial.fits = max(steady) <= args.slo_seconds
+    trial.reason = "fits" if trial.fits else f"round latency {max(steady):.1f}s > SLO {args.slo_seconds}s"
+    return trial
+
+
 def run_capacity(args) -> int:
+    if args.target:
+        from tokendance.bench.target import Client
+
+        client = Client(args.target, args.api_key, args.target_model)
+        return search(args, [client.model], lambda mode, n: run_target_trial(client, n, args),
+                      {"target": args.target, "budget": "set on the server"})
     loaded = load_model(args.model)
-    modes = args.modes or capacity_modes()
+    return search(args, args.modes or capacity_modes(), lambda mode, n: run_trial(loaded, mode, n, args),
+                  describe_machine(dtype_name(args.dtype)))
+
+
+def search(args, modes: list[str], trial_of: Callable[[str, int], Trial], machine: dict) -> int:
+    """The largest fitting N of each mode (doubling, then bisection), with a line per trial."""
     out = Path(args.out or "benchmarks/results/capacity.json")
     started = time.perf_counter()
-    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},
-                     "machine": describe_machine(dtype_name(args.dtype)), "modes": {}}
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "machine": machine, "modes": {}}
     with tqdm(desc="capacity", unit="trial") as bar:
         for mode in modes:
             trials: list[Trial] = []
 
             def fits(n: int) -> bool:
                 bar.set_postfix_str(f"{mode} N={n}")
-                trial = run_trial(loaded, mode, n, args)
+                trial = trial_of(mode, n)
                 trials.append(trial)
                 bar.update(1)
                 bar.write(f"{mode:<11} N={n:<4} {'fits' if trial.fits else 'no  '} {trial.reason}; rounds "
@@ -152,14 +189,15 @@ def run_capacity(args) -> int:
             results["seconds"] = time.perf_counter() - started
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=2))
-    print(format_capacity(results["modes"], args) + f"\n  ({results['machine']['dtype']}, "
-          f"CPU {results['machine']['cpu_capability']})")
+    where = f"{args.target}" if args.target else f"{machine['dtype']}, CPU {machine['cpu_capability']}"
+    print(format_capacity(results["modes"], args) + f"\n  ({where})")
     print(f"results in {out}")
     return 0
 
 
 def format_capacity(modes: dict, args) -> str:
-    lines = [f"KV budget {(kv_bytes(args) or CAPACITY_KV_BYTES) / 2**20:g} MiB, round SLO {args.slo_seconds:g} s, {args.workload}, {args.rounds} rounds"]
+    budget = "the server's KV budget" if args.target else f"KV budget {(kv_bytes(args) or CAPACITY_KV_BYTES) / 2**20:g} MiB"
+    lines = [f"{budget}, round SLO {args.slo_seconds:g} s, {args.workload}, {args.rounds} rounds"]
     for mode, r in modes.items():
         lines.append(f"  {mode:<11} max agents {r['max_agents']}")
     td, prefix = modes.get("tokendance"), modes.get("prefix")

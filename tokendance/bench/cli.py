@@ -3,6 +3,8 @@
     tokendance bench --workload generative-agents --agents 4 8 16 --rounds 4      # modes side by side
     tokendance bench capacity --kv-cache-bytes 96M --slo-seconds 8                # max resident agents
     tokendance bench --target http://127.0.0.1:8000/v1 --agents 8                 # any OpenAI-compatible server
+    tokendance bench capacity --target http://127.0.0.1:8000/v1 --slo-seconds 60  # its max agents
+    tokendance bench --fidelity --sweep-agents 8 --rounds 3                       # KL against the noise floor
 
 This module only builds the parser; the work is imported when a command runs.
 """
@@ -70,7 +72,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-seconds", type=float, default=10.0, help="capacity: the round-latency SLO")
     parser.add_argument("--max-agents", type=int, default=64, help="capacity: upper end of the search")
     parser.add_argument("--target", default=None, metavar="URL",
-                        help="drive an OpenAI-compatible server (base URL ending in /v1) instead of in-process engines")
+                        help="drive an OpenAI-compatible server (base URL ending in /v1) instead of in-process engines "
+                             "(rounds and capacity)")
     parser.add_argument("--target-model", default=None, help="model name to send to --target (default: its first)")
     parser.add_argument("--api-key", default="EMPTY", help="API key for --target")
     parser.add_argument("--declare-rounds", action="store_true",
@@ -87,7 +90,7 @@ def kv_bytes(args) -> int | None:
 
 
 def run_bench(args) -> int:
-    if args.target:
+    if args.target and args.experiment != "capacity":
         from tokendance.bench.target import run_target
 
         return run_target(args)
