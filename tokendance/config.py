@@ -10,6 +10,9 @@ from tokendance.errors import InvalidRequestError
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 
 
+BATCH_INVARIANT_CHUNK = 256  # batch_invariant: prompt chunks end at multiples of this (or at the prompt's end)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or a config.json."""
@@ -56,6 +59,10 @@ class EngineConfig:
     # reuse and recompute_ratio, and refuses other values for them.
     fidelity: str | None = None
     check_layer: int = 1
+    # Greedy outputs independent of what else runs in the batch (full and prefix reuse): linear
+    # layers in fixed row tiles, prompts computed in chunks that end at fixed positions, every
+    # decode attended alone. See `BATCH_INVARIANT_CHUNK` and README "Reproducible simulations".
+    batch_invariant: bool = False
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 
     def _apply_fidelity(self) -> None:
@@ -90,3 +97,6 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.round_group_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens, max_num_seqs and round_group_tokens must be >= 1")
+        if self.batch_invariant and self.max_num_batched_tokens < BATCH_INVARIANT_CHUNK:
+            raise InvalidRequestError(f"batch_invariant computes prompts in chunks of {BATCH_INVARIANT_CHUNK} tokens: "
+                                      "max_num_batched_tokens must be at least that", "max_num_batched_tokens")

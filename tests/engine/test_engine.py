@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.helpers import CHAT_QUESTIONS, round_turns
 from tokendance import (
@@ -251,3 +252,23 @@ def test_n_choices_compute_the_prompt_once(make_llm):
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs[:3]]
     single = llm.generate(prompts[0], SamplingParams(temperature=1.0, seed=12, max_tokens=8))
     assert single[0].token_ids == outputs[1].token_ids  # choice 1 is the prompt with seed + 1
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_batch_invariant_greedy_does_not_depend_on_the_batch(make_llm, dtype):
+    """batch_invariant: a request's logits are bitwise the same alone, in a batch of others (whose
+    prompts share its prefix, so decode could read shared runs), and served from the prefix
+    cache, at every step; prompts are long enough to be computed in several fixed chunks."""
+    llm = make_llm(dtype=dtype, batch_invariant=True, max_num_batched_tokens=512)
+    story = "The old lighthouse keeper told the children about the storm of 1952. " * 40
+    prompts = [story + "Then", story + "After the storm, the village", "List three facts about volcanoes."]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, return_logits=True)
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    assert len(alone[0].prompt_token_ids) > 2 * 256
+    batched = llm.generate(prompts, params)
+    assert batched[0].num_cached_tokens > 0  # the third pass of the story found it in the cache
+    for one, many in zip(alone, batched):
+        assert one.token_ids == many.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(one.logits, many.logits))
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+        make_llm(batch_invariant=True, max_num_batched_tokens=128)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from tokendance.config import EngineConfig
+from tokendance.config import BATCH_INVARIANT_CHUNK, EngineConfig
 from tokendance.engine.detokenizer import IncrementalDetokenizer
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.engine.scheduler import Scheduler
@@ -112,7 +112,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, self.cpu, config.device)
         self.dtype = str(dtype).removeprefix("torch.")
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens,
-                           packed_bf16=self.cpu.packed_bf16)
+                           packed_bf16=self.cpu.packed_bf16, batch_invariant=config.batch_invariant)
         self.bytes_per_block = KVCacheTensors.bytes_per_slot(loaded.config, dtype) * config.block_size
         self.kv_cache_bytes = auto_kv_cache_bytes() if config.kv_cache_bytes == "auto" else config.kv_cache_bytes
         num_blocks = self.kv_cache_bytes // self.bytes_per_block
@@ -127,7 +127,8 @@ class LLMEngine:
         self.num_kv_tokens = num_blocks * config.block_size  # what the pool holds, all tables together
         prefix_caching = config.enable_prefix_caching and policy_class(config.reuse).enables_prefix_caching
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   BATCH_INVARIANT_CHUNK if config.batch_invariant else None)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.eos_token_ids)
         self.runner = ModelRunner(model, kv_tensors, config.block_size, self.grammars)
         if not 0 <= config.check_layer < loaded.config.num_layers:

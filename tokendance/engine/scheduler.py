@@ -24,8 +24,12 @@ class Scheduler:
     `max_num_seqs - reserved_seqs` at a time, and a chat that arrives meanwhile starts at the
     next step instead of after the round."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 fixed_chunk: int | None = None):
+        """`fixed_chunk` (batch-invariant engines): prompt chunks end at multiples of it or at the
+        prompt's end, whatever else runs, and prefix-cache hits are cut to a multiple of it."""
         self.kv = kv
+        self.fixed_chunk = fixed_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.reserved_seqs = max_num_seqs // 16
@@ -50,7 +54,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             shared = bool(self.waiting) or index < len(self.running) - 1
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk(request, shared))
+            limit = self._chunk(request, shared) if self.fixed_chunk is None else self.fixed_chunk
+            num_new = self._aligned(request, request.num_computed_tokens,
+                                    min(request.num_tokens - request.num_computed_tokens, budget, limit))
+            if num_new == 0:  # its next fixed chunk does not fit this step's budget
+                index += 1
+                continue
             copies = self._allocate_or_preempt(request, num_new)
             if copies is None:  # the request itself was preempted
                 break
@@ -75,6 +84,14 @@ class Scheduler:
             return max(16, self.max_num_batched_tokens * 512 // context)
         return max(1, min(self.max_num_batched_tokens // 4, max(16, self.max_num_batched_tokens * 128 // context)))
 
+    def _aligned(self, request: Request, start: int, num_new: int) -> int:
+        """With a fixed chunk, the new tokens end at a multiple of it or at the last known token
+        (0: the request waits for a step with room)."""
+        end = start + num_new
+        if self.fixed_chunk is None or end >= request.num_tokens:
+            return num_new
+        return max(0, end // self.fixed_chunk * self.fixed_chunk - start)
+
     def _unblock(self, out: SchedulerOutput, budget: int) -> None:
         """Nothing runs and nothing fits: waiting requests' prepared tables hold the pool. Drop
         them newest first (those requests will be computed from scratch) until one is admitted."""
@@ -94,7 +111,11 @@ class Scheduler:
             computed = self.kv.find_computed(request.request_id, request.token_ids, request.namespace)
             if request.sampling_params.prompt_logprobs is not None and computed.num_tokens > request.score_from:
                 computed = computed.cut(request.score_from, self.kv.block_size)  # those tokens' logits are asked for
-            num_new = min(request.num_tokens - computed.num_tokens, budget)
+            if self.fixed_chunk is not None and computed.hit.block_ids:  # chunks start at multiples of it
+                computed = computed.cut(computed.num_tokens // self.fixed_chunk * self.fixed_chunk, self.kv.block_size)
+            num_new = self._aligned(request, computed.num_tokens, min(request.num_tokens - computed.num_tokens, budget))
+            if num_new == 0:
+                return
             copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
                                             computed.hit)
             if copies is None:

@@ -132,12 +132,17 @@ class LlamaModel:
         device,
         max_batch_tokens: int = 2048,
         packed_bf16: bool = False,
+        batch_invariant: bool = False,
     ):
-        """`packed_bf16`: the CPU runs oneDNN's packed bf16 weights (see model/platform.py)."""
+        """`packed_bf16`: the CPU runs oneDNN's packed bf16 weights (see model/platform.py).
+        `batch_invariant`: each row's result does not depend on the other rows of the batch."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.batch_invariant = batch_invariant
         self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, packed_bf16)
+        if batch_invariant:
+            self.linear = TiledLinear(self.linear)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -207,7 +212,7 @@ class LlamaModel:
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.read_keys,
-                                   self.decode_kernel, kv_cache.positions, reads)  # [T, Hq * D]
+                                   self.decode_kernel, kv_cache.positions, reads, self.batch_invariant)  # [T, Hq * D]
             hidden = hidden + self.linear(attn, layer.out)
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -268,6 +273,29 @@ class PackedBF16Linear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+class TiledLinear:
+    """Any linear kernel, called on row tiles of one fixed size (the last one padded): a GEMM's
+    result for a row depends on the number of rows it is called with (measured: 1 row differs from
+    2+ in packed bf16, 1-3 rows from 4+ in float32), never on the other rows' values, so every row
+    gets the same result whatever the batch."""
+
+    ROWS = 32
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.inner.prepare(weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = -(-rows // self.ROWS) * self.ROWS
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        tiles = [self.inner(x[i:i + self.ROWS], weight) for i in range(0, padded, self.ROWS)]
+        return torch.cat(tiles)[:rows]
 
 
 def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool):
@@ -355,6 +383,15 @@ class PagedDecodeKernel:
         return out.to(q.dtype)  # [B, Hq, D]
 
 
+def split_decode(d: DecodeAttention) -> list[DecodeAttention]:
+    """Each request of a decode batch alone, its slots cut to its own length (no rotation)."""
+    found = []
+    for b, length in enumerate(d.lengths.tolist()):
+        mask = None if d.mask is None else d.mask[b:b + 1, :, :, :length]
+        found.append(DecodeAttention(d.query_rows[b:b + 1], d.context_slots[b:b + 1, :length], d.lengths[b:b + 1], mask))
+    return found
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] new queries
     k: torch.Tensor,  # [T, Hkv, D] new keys (already written to the cache)
@@ -366,6 +403,7 @@ def paged_attention(
     decode_kernel: PagedDecodeKernel | None = None,
     slot_positions: torch.Tensor | None = None,  # [num_slots]: the position each key is rotated for
     reads: DecodeReads | None = None,  # decode traffic is added here
+    alone: bool = False,  # each decode attended on its own (batch-invariant): no shared reads, no padding
 ) -> torch.Tensor:  # [T, Hq * D]
     out = torch.empty_like(q)
     # SDPA gets 4-D inputs: only those take the fused (flash) CPU kernel with GQA.
@@ -385,25 +423,36 @@ def paged_attention(
             o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         out[rows] = o[0].transpose(0, 1)
     d = meta.decode
-    if d is not None and d.mask is None:
-        out[d.query_rows] = decode_kernel(q, key_cache, value_cache, d, slot_positions, reads)
+    if d is not None and alone and d.rotation is None:  # each request alone: no padding, no shared reads
+        for row, decode in zip(d.query_rows.tolist(), split_decode(d)):
+            out[row] = decode_attention(q, key_cache, value_cache, decode, read_keys, decode_kernel, slot_positions,
+                                        reads)[0]
     elif d is not None:
-        if reads is not None:  # every request reads its whole context
-            rows = int(d.lengths.sum()) * key_cache.shape[1]
-            reads.rows_loaded += rows
-            reads.rows_requested += rows
-        batch, max_context = d.context_slots.shape
-        flat_slots = d.context_slots.reshape(-1)
-        # [B * Lk, Hkv, D] -> [B, Lk, Hkv, D]
-        keys = key_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
-        if d.rotation is not None:
-            rotated = d.context_slots[:, : d.num_rotated].reshape(-1)
-            keys[:, : d.num_rotated] = read_keys(key_cache, rotated, d.rotation).view(batch, d.num_rotated, *key_cache.shape[1:])
-        values = value_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
-        # Each KV head's query group as Lq rows: [B, Hkv, Hq/Hkv, D]. Measured 1.8x faster than
-        # SDPA's enable_gqa for one query per request, with identical results.
-        num_kv_heads, head_dim = key_cache.shape[1:]
-        query = q[d.query_rows].view(batch, num_kv_heads, -1, head_dim)
-        o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask)
-        out[d.query_rows] = o.reshape(batch, -1, head_dim)
+        out[d.query_rows] = decode_attention(q, key_cache, value_cache, d, read_keys, decode_kernel, slot_positions,
+                                             reads)
     return out.flatten(1)
+
+
+def decode_attention(q, key_cache, value_cache, d: DecodeAttention, read_keys: FusedKeyReader,
+                     decode_kernel: PagedDecodeKernel | None, slot_positions, reads: DecodeReads | None) -> torch.Tensor:
+    """One query token per request of `d`: [B, Hq, D], in the kernel, or eager where `d` has a mask."""
+    if d.mask is None:
+        return decode_kernel(q, key_cache, value_cache, d, slot_positions, reads)
+    if reads is not None:  # every request reads its whole context
+        rows = int(d.lengths.sum()) * key_cache.shape[1]
+        reads.rows_loaded += rows
+        reads.rows_requested += rows
+    batch, max_context = d.context_slots.shape
+    flat_slots = d.context_slots.reshape(-1)
+    # [B * Lk, Hkv, D] -> [B, Lk, Hkv, D]
+    keys = key_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
+    if d.rotation is not None:
+        rotated = d.context_slots[:, : d.num_rotated].reshape(-1)
+        keys[:, : d.num_rotated] = read_keys(key_cache, rotated, d.rotation).view(batch, d.num_rotated, *key_cache.shape[1:])
+    values = value_cache.index_select(0, flat_slots).view(batch, max_context, *key_cache.shape[1:])
+    # Each KV head's query group as Lq rows: [B, Hkv, Hq/Hkv, D]. Measured 1.8x faster than
+    # SDPA's enable_gqa for one query per request, with identical results.
+    num_kv_heads, head_dim = key_cache.shape[1:]
+    query = q[d.query_rows].view(batch, num_kv_heads, -1, head_dim)
+    o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask)
+    return o.reshape(batch, -1, head_dim)

@@ -112,7 +112,7 @@ class Api:
             return JSONResponse({"status": "engine stopped", "error": str(self.loop.error)}, status_code=503)
         c = self.engine.config
         return {"status": "ok", **self._machine(), "reuse": c.reuse, "recompute_ratio": c.recompute_ratio,
-                "fidelity": c.fidelity_name}
+                "fidelity": c.fidelity_name, "batch_invariant": c.batch_invariant}
 
     async def metrics_text(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")

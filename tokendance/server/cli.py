@@ -42,6 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="which tokens of a reused span are recomputed (" + registry.describe(registry.SELECTIONS) + ")")
     add("--fidelity", default=None, choices=list(registry.FIDELITY),
         help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
+    add("--batch-invariant", action="store_true",
+        help="greedy outputs independent of what else runs in the batch (full and prefix reuse; costs speed)")
     add("--gather-window-ms", type=float, default=50.0,
         help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,
@@ -79,7 +81,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
-                "max_num_seqs": args.max_num_seqs, **{k: v for k, v in engine_args.items() if v is not None}}
+                "max_num_seqs": args.max_num_seqs, "batch_invariant": args.batch_invariant,
+                **{k: v for k, v in engine_args.items() if v is not None}}
     if args.replicas > 1 or args.ray_address:
         sock.close()  # Ray Serve's proxy listens there
         try:
@@ -117,7 +120,8 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
     engine = llm.engine
     reuse = engine.config
     print(f"serving {config.model_name} (reuse={reuse.reuse}, recompute ratio {reuse.recompute_ratio:g}, fidelity "
-          f"{reuse.fidelity_name}, dtype {engine.dtype}, CPU {engine.cpu.describe()}, "
+          f"{reuse.fidelity_name}{', batch-invariant' if reuse.batch_invariant else ''}, dtype {engine.dtype}, "
+          f"CPU {engine.cpu.describe()}, "
           f"KV pool {engine.kv_cache_bytes >> 20} MiB) on http://{args.host}:{args.port}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
