@@ -14,7 +14,8 @@ import torch
 
 from tokendance.bench.simulation import Simulation
 from tokendance.model.platform import dtype_name
-from tokendance.registry import REUSE_POLICIES
+from tokendance.config import EngineConfig
+from tokendance.registry import FIDELITY, REUSE_POLICIES
 from tokendance.reuse.fidelity import ForcedScores, compare
 from tokendance.reuse.segments import with_continuation
 from tokendance.sampling import SamplingParams
@@ -29,7 +30,8 @@ def floor_dtype(dtype: str) -> str:
 
 def variants(args) -> dict[str, dict]:
     """label -> engine arguments: `full` first (the reference), the floor, every mode at the
-    bench's ratio, tokendance at each sweep (selection, ratio), and at 1.0 (exact by construction)."""
+    bench's ratio, tokendance at each sweep (selection, ratio), every fidelity preset, and
+    tokendance at 1.0 (exact by construction)."""
     floor = floor_dtype(args.dtype)
     found = {"full": {"reuse": "full"}, f"full-{floor}": {"reuse": "full", "dtype": floor}}
     for mode in args.modes or list(REUSE_POLICIES):
@@ -38,6 +40,11 @@ def variants(args) -> dict[str, dict]:
     for selection in args.sweep_selections:
         for ratio in args.sweep_ratios or ():
             found[f"{selection}@{ratio:g}"] = {"reuse": "tokendance", "selection": selection, "recompute_ratio": ratio}
+    present = {EngineConfig(**settings).fidelity_name for settings in found.values()}
+    for name, preset in FIDELITY.items():
+        if name not in present:
+            ratio = preset.settings.get("recompute_ratio")
+            found[preset.settings["reuse"] + ("" if ratio is None else f"@{ratio:g}")] = dict(preset.settings)
     found["tokendance@1"] = {"reuse": "tokendance", "recompute_ratio": 1.0}
     return found
 
@@ -84,7 +91,7 @@ def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, di
         results = free.traces[label].results
         same = [compare(ref.outputs, result.outputs) for ref, result in zip(reference, results)]
         right, changed = accuracy(free.workload, results, reference)
-        found.append({"setting": label, **labels[label],
+        found.append({"setting": label, **labels[label], "preset": EngineConfig(**labels[label]).fidelity_name,
                       "identical_fraction": sum(s.identical_fraction for s in same) / len(same),
                       "shared_compression": sum(r.stats.shared_compression for r in results) / len(results),
                       "task_accuracy": right, "changed_answers": changed, **forced.summary()})
