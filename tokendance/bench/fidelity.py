@@ -10,6 +10,8 @@ change that everyone accepts as exact. Each metric is also given as a ratio to i
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from tokendance.bench.simulation import Simulation
@@ -58,7 +60,7 @@ def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
     free = Simulation(workload, engines, closed_loop=closed, max_tokens=args.max_tokens)
     for r in range(args.rounds):
         free.step(on_mode=lambda label: on_round(f"fidelity free round {r + 1} {label}"))
-    engines.clear()
+    release(engines)
     reference = free.traces["full"]
     scores = {label: ForcedScores() for label in labels if label != "full"}
     engines = engines_for(labels)
@@ -76,10 +78,16 @@ def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
             else:
                 for ref, got in zip(expected, logits):
                     scores[label].add(ref, got)
-    engines.clear()
+    release(engines)
     found = rows(free, scores, labels, floor=f"full-{floor_dtype(args.dtype)}")
     return {"agents": len(workload.agents), "rounds": args.rounds, "floor": f"full-{floor_dtype(args.dtype)}",
             "reference_accuracy": accuracy(workload, reference.results, reference.results)[0], "rows": found}
+
+
+def release(engines: dict) -> None:
+    """Drop engines now: their KV pools are large and engines hold reference cycles."""
+    engines.clear()
+    gc.collect()
 
 
 def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, dict], floor: str) -> list[dict]:

@@ -3,7 +3,6 @@ fidelity-vs-recompute-ratio sweep of tokendance; a table, JSON and plots."""
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from dataclasses import asdict
@@ -12,6 +11,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tokendance.bench import fidelity, report
+from tokendance.bench.fidelity import release
 from tokendance.bench.cli import kv_bytes
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.config import REUSE_MODES
@@ -109,12 +109,6 @@ def simulate(workload, engines: dict[str, LLM], args, bar, label: str) -> list[d
     rows = simulation.rows()
     release(engines)
     return rows
-
-
-def release(engines: dict) -> None:
-    """Drop engines now: their KV pools are large and engines hold reference cycles."""
-    engines.clear()
-    gc.collect()
 
 
 def sweep(loaded, args, bar) -> list[dict]:

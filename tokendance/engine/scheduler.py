@@ -9,7 +9,7 @@ from collections import Counter, deque
 from tokendance.batch import ScheduledRequest, SchedulerOutput
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.errors import CapacityError
-from tokendance.kv.manager import NO_HIT, BlockCopy, ComputedKV, KVCacheManager
+from tokendance.kv.manager import NO_HIT, BlockCopy, KVCacheManager
 
 
 class Scheduler:
