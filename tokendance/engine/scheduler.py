@@ -113,7 +113,8 @@ class Scheduler:
                 computed = computed.cut(request.score_from, self.kv.block_size)  # those tokens' logits are asked for
             if self.fixed_chunk is not None and computed.hit.block_ids:  # chunks start at multiples of it
                 computed = computed.cut(computed.num_tokens // self.fixed_chunk * self.fixed_chunk, self.kv.block_size)
-            num_new = self._aligned(request, computed.num_tokens, min(request.num_tokens - computed.num_tokens, budget))
+            num_new = self._aligned(request, computed.num_tokens, min(request.num_tokens - computed.num_tokens, budget,
+                                                                      self.fixed_chunk or budget))
             if num_new == 0:
                 return
             copies = self.kv.allocate_slots(request.request_id, computed.num_tokens + num_new, computed.num_tokens,
