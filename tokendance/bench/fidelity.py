@@ -91,8 +91,8 @@ def release(engines: dict) -> None:
 
 
 def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, dict], floor: str) -> list[dict]:
-    """One row per setting: identical outputs, compression and task accuracy of the free run, the
-    forced scores, and each score's ratio to the floor's."""
+    """One row per setting: identical outputs, compression, round TTFT against `full`'s and task
+    accuracy of the free run, the forced scores, and each score's ratio to the floor's."""
     reference = free.traces["full"].results
     found = []
     for label, forced in scores.items():
@@ -102,6 +102,8 @@ def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, di
         found.append({"setting": label, **labels[label], "preset": EngineConfig(**labels[label]).fidelity_name,
                       "identical_fraction": sum(s.identical_fraction for s in same) / len(same),
                       "shared_compression": sum(r.stats.shared_compression for r in results) / len(results),
+                      "ttft_speedup": sum(r.stats.prefill_seconds for r in reference)
+                      / max(1e-9, sum(r.stats.prefill_seconds for r in results)),
                       "task_accuracy": right, "changed_answers": changed, **forced.summary()})
     base = next(r for r in found if r["setting"] == floor)
     for row in found:
