@@ -49,9 +49,10 @@ class Preset(NamedTuple):
 FIDELITY = {  # named trade-offs between exactness and reuse (README, "Fidelity presets")
     "exact": Preset({"reuse": "prefix"}, "prefix caching only: outputs as full prefill's"),
     "floor": Preset({"reuse": "tokendance", "recompute_ratio": 0.95},
-                    "collective reuse recomputing 95% of each span: KL about twice the bf16 noise floor"),
+                    "collective reuse recomputing 95% of each span: KL ~2-4x the bf16 noise floor, no faster "
+                    "than exact"),
     "fast": Preset({"reuse": "tokendance", "recompute_ratio": 0.05},
-                   "collective reuse recomputing 5% (the default settings): the most reuse, KL ~20x the floor"),
+                   "collective reuse recomputing 5% (the default settings): the most reuse, KL ~17-36x the floor"),
 }
 
 DEFAULT_REUSE = "tokendance"
