@@ -13,7 +13,7 @@ import torch
 
 from tokendance import LLM, SamplingParams
 from tokendance.errors import InvalidRequestError
-from tokendance.model.llama import DenseLinear, PackedBF16Linear
+from tokendance.model.linear import DenseLinear, PackedBF16Linear
 from tokendance.model.platform import CpuInfo, auto_kv_cache_bytes, probe_cpu, resolve_dtype, warn_slow_bf16
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
