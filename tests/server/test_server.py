@@ -62,7 +62,8 @@ def test_health_models_and_metrics(server):
     machine = {"dtype": "bfloat16" if cpu.native_bf16 else "float32", "cpu_capability": cpu.capability,
                "native_bf16": cpu.native_bf16}
     assert json.loads(server.request("GET", "/health")[2]) == {"status": "ok", **machine, "reuse": "tokendance",
-                                                               "recompute_ratio": 0.05, "fidelity": "fast"}
+                                                               "recompute_ratio": 0.05, "fidelity": "fast",
+                                                               "batch_invariant": False}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model]
     assert {k: models.data[0].model_extra[k] for k in machine} == machine
