@@ -78,11 +78,6 @@ class ForcedScores:
         top = ref.topk(2, dim=-1).values
         self.margin += (top[:, 0] - top[:, 1]).tolist()
 
-    def extend(self, other: ForcedScores) -> None:
-        self.kl += other.kl
-        self.same_top1 += other.same_top1
-        self.margin += other.margin
-
     def summary(self) -> dict:
         """top-1 agreement, KL mean and p99, and the flipped top-1 choices by the reference's
         margin there (a flip above 0.5 nats is one no numeric change of this model makes)."""
