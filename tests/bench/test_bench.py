@@ -142,3 +142,24 @@ def test_capacity_search_drives_a_server(tmp_path, plain_server):
         trials = found["trials"]
         assert [t["agents"] for t in trials] == ([1, 2] if expected else [1])
         assert all(len(t["round_seconds"]) == 2 and t["fits"] == bool(expected) for t in trials)
+        assert all(t["preemptions"] == t["evictions"] == t["extra_waves"] == 0 for t in trials)
+
+
+def test_capacity_search_against_a_server_sees_its_memory_run_out(tmp_path):
+    """With a pool that holds one agent's round, two agents' declared round makes the server
+    preempt, evict or split the round: its /metrics counters say so, and two do not fit."""
+    from tests.helpers import kv_bytes, serving
+    from tokendance.bench.capacity import run_capacity
+
+    server = next(serving("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(12 * 16)))
+    try:
+        out = tmp_path / "capacity.json"
+        args = bench_args("capacity", "--target", server.url + "/v1", "--workload", "fact-recall", "--rounds", "2",
+                          "--max-agents", "2", "--slo-seconds", "1e9", "--declare-rounds", "--out", str(out))
+        assert run_capacity(args) == 0
+    finally:
+        server.stop()
+    (found,) = json.loads(out.read_text())["modes"].values()
+    one, two = found["trials"]
+    assert found["max_agents"] == 1 and one["fits"] and not two["fits"]
+    assert two["preemptions"] + two["evictions"] + two["extra_waves"] > 0 or "request failed" in two["reason"]

@@ -10,8 +10,10 @@ always — the run goes on, it just does not count as fitting.
 With `--target URL` the same search drives any OpenAI-compatible server (vLLM, `tokendance
 serve`), whose KV budget is set where it is served (vLLM: `--kv-cache-memory-bytes` or
 `VLLM_CPU_KVCACHE_SPACE`; `tokendance serve --kv-cache-bytes`). Only what a client sees is judged
-there: N fits when no request failed and every round after the first met the SLO. Each trial
-sends its own `cache_salt`, so no trial is served from an earlier one's cache.
+there: N fits when no request failed, the server's Prometheus counters of memory pressure did
+not grow (vLLM: preemptions; `tokendance serve`: preemptions, evicted sessions, rounds split in
+waves) and every round after the first met the SLO. Each trial sends its own `cache_salt`, so no
+trial is served from an earlier one's cache.
 """
 
 from __future__ import annotations
@@ -135,22 +137,29 @@ def judge(trial: Trial, slo_seconds: float) -> tuple[bool, str]:
 
 
 def run_target_trial(client, num_agents: int, args) -> Trial:
-    """`args.rounds` open-loop rounds of `num_agents` against a server, judged on the SLO."""
+    """`args.rounds` open-loop rounds of `num_agents` against a server, judged like an in-process
+    trial on what the server reports: its memory counters (`target.MEMORY_COUNTERS`) did not grow,
+    and the SLO."""
     from tokendance.bench.target import run_round
 
     workload = make_workload(args.workload, num_agents, seed=args.seed, order=args.order)
     trial = Trial(client.model, num_agents, fits=False)
     salted = argparse.Namespace(**{**vars(args), "cache_salt": f"capacity-{num_agents}-{time.time_ns()}"})
     history: list = []
+    before = client.memory_counters()
     try:
         for r in range(args.rounds):
             trial.round_seconds.append(run_round(client, workload, r, history, salted)["round_seconds"])
     except OSError as exc:  # a refused or failed request: the server could not serve N agents
         trial.reason = f"request failed: {exc}"
         return trial
-    steady = trial.round_seconds[1:] or trial.round_seconds
-    trial.fits = max(steady) <= args.slo_seconds
-    trial.reason = "fits" if trial.fits else f"round latency {max(steady):.1f}s > SLO {args.slo_seconds}s"
+    after = client.memory_counters()
+    if before is not None and after is not None:
+        for kind, value in after.items():
+            setattr(trial, kind, int(value - before.get(kind, 0.0)))
+    trial.fits, trial.reason = judge(trial, args.slo_seconds)
+    if after is None:
+        trial.reason += " (the server exports no /metrics: judged on the SLO only)"
     return trial
 
 

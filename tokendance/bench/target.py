@@ -5,6 +5,7 @@ completions; round latency and round TTFT measured here, on the client side."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,16 @@ from tokendance.bench.simulation import SILENT
 from tokendance.errors import InvalidRequestError
 from tokendance.model.platform import probe_cpu
 from tokendance.workloads import make_workload
+
+# Counters that say a server ran out of KV memory, by the name each server exports on /metrics:
+# requests preempted (KV freed, recomputed later), agent sessions evicted, rounds split in waves.
+MEMORY_COUNTERS = {
+    "vllm:num_preemptions_total": "preemptions",
+    "tokendance_preemptions_total": "preemptions",
+    "tokendance_session_evictions_total": "evictions",
+    "tokendance_round_extra_waves_total": "extra_waves",
+}
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+.eE0-9naNinfINF]+)$")
 
 
 @dataclass
@@ -48,6 +59,23 @@ class Client:
         """/v1/models; TokenDance's cards also say the dtype and CPU capability it runs with."""
         with self._request("/models") as response:
             return json.load(response)["data"]
+
+    def memory_counters(self) -> dict[str, float] | None:
+        """The server's `MEMORY_COUNTERS` from its Prometheus /metrics (next to /v1), summed over
+        labels and by what they count; None where the server exports no /metrics."""
+        root = self.base_url.removesuffix("/v1")
+        try:
+            with urllib.request.urlopen(root + "/metrics", timeout=self.timeout) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            match = SAMPLE.match(line)
+            if match and match.group(1) in MEMORY_COUNTERS:
+                kind = MEMORY_COUNTERS[match.group(1)]
+                found[kind] = found.get(kind, 0.0) + float(match.group(3))
+        return found
 
     def _first_model(self) -> str:
         models = self.model_cards()

@@ -20,6 +20,7 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_prompt_tokens_total": ("counter", "prompt tokens of finished requests", None),
     "tokendance_cached_prompt_tokens_total": ("counter", "prompt tokens served from cache or shared KV", None),
     "tokendance_generation_tokens_total": ("counter", "tokens generated", None),
+    "tokendance_preemptions_total": ("counter", "requests preempted: their KV freed, to be recomputed", None),
     "tokendance_request_latency_seconds": ("histogram", "end-to-end latency of generation requests", LATENCY_BUCKETS),
     "tokendance_time_to_first_token_seconds": ("histogram", "time to the first token", LATENCY_BUCKETS),
     "tokendance_engine_running_requests": ("gauge", "requests the scheduler is running", None),
@@ -33,6 +34,7 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_rounds_total": ("counter", "rounds run, by how they formed", None),
     "tokendance_rounds_aborted_total": ("counter", "rounds stopped because every client of them left", None),
     "tokendance_rounds_failed_total": ("counter", "rounds that failed (their requests got an error or ran alone)", None),
+    "tokendance_round_extra_waves_total": ("counter", "waves rounds ran in beyond their first (their KV did not fit at once)", None),
     "tokendance_round_agents": ("histogram", "agents per round", AGENT_BUCKETS),
     "tokendance_last_round_agents": ("gauge", "agents in the last round", None),
     "tokendance_round_seconds": ("histogram", "round latency: until every agent has its output", LATENCY_BUCKETS),
@@ -105,6 +107,7 @@ class Metrics:
         self.inc("tokendance_rounds_total", source=source)
         self.observe("tokendance_round_agents", stats.num_agents)
         self.set("tokendance_last_round_agents", stats.num_agents)
+        self.inc("tokendance_round_extra_waves_total", stats.num_waves - 1)
         self.observe("tokendance_round_seconds", stats.round_seconds)
         self.observe("tokendance_round_prefill_seconds", stats.prefill_seconds)
         self.inc("tokendance_round_logical_kv_tokens_total", stats.logical_kv_tokens)
@@ -120,6 +123,7 @@ class Metrics:
         self.set("tokendance_kv_blocks_free", stats.num_free_blocks)
         self.set("tokendance_agent_sessions", stats.num_sessions)
         self.set("tokendance_session_evictions_total", stats.num_evictions)
+        self.set("tokendance_preemptions_total", stats.num_preemptions)
         self.set("tokendance_engine_running_requests", stats.num_running)
         self.set("tokendance_engine_waiting_requests", stats.num_waiting)
         self.set("tokendance_gather_pending_requests", num_gathering)
