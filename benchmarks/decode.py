@@ -26,7 +26,7 @@ os.environ["TOKENDANCE_KERNELS"] = "1"  # what is measured, even where the envir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokendance import LLM  # noqa: E402
-from tokendance.model.llama import AttentionMetadata, paged_attention  # noqa: E402
+from tokendance.model.attention import AttentionMetadata, paged_attention  # noqa: E402
 
 
 def build_tables(runner, agents: int, context: int, shared: float, generator: torch.Generator):
@@ -53,7 +53,7 @@ def build_tables(runner, agents: int, context: int, shared: float, generator: to
 
 
 def step_seconds(model, runner, tables, q, kernel, repeats: int) -> tuple[float, torch.Tensor, int]:
-    model.decode_kernel = kernel
+    model.attention.decode = kernel  # the runner builds eager metadata (masks) without it
     meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), [], runner._decode_attention(list(range(len(tables))), tables))
     cache = runner.kv_cache
     stats = [0]
@@ -61,8 +61,8 @@ def step_seconds(model, runner, tables, q, kernel, repeats: int) -> tuple[float,
     def run():
         outs = []
         for layer in range(len(cache.keys)):
-            outs.append(paged_attention(q, None, None, cache.keys[layer], cache.values[layer], meta, model.read_keys,
-                                        kernel, cache.positions))
+            outs.append(paged_attention(q, None, None, cache.keys[layer], cache.values[layer], meta,
+                                        model.attention, cache.positions))
         return outs
 
     result = run()
@@ -96,7 +96,7 @@ def main() -> None:
     llm = LLM(kv_cache_bytes=int(1.2 * max(args.agents) * max(args.context) * 2 * 30 * 3 * 64 * 4) + 2**26)
     engine = llm.engine
     model, runner = engine.runner.model, engine.runner
-    kernel = model.decode_kernel
+    kernel = model.attention.decode
     if kernel is None:
         sys.exit("the paged decode kernel is not available here (no C compiler?)")
     config = engine.model_config
@@ -124,7 +124,6 @@ def main() -> None:
                       f"{eager / fast:>7.2f}x{agents / eager:>12.0f}{agents / fast:>13.0f}"
                       f"{row['eager_mb']:>9.1f}{row['kernel_mb']:>10.1f}{row['eager_mb'] / row['kernel_mb']:>5.1f}x",
                       flush=True)
-    model.decode_kernel = kernel
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dtype": engine.dtype, "cpu_capability": engine.cpu.capability,

@@ -5,7 +5,9 @@ side by side on the same Generative Agents round.
     python benchmarks/prefill_attention.py --agents 32
 
 Prints, per setting, round 2's latency and the time spent in scaled_dot_product_attention, and
-the ratios. The cut is `tokendance.model.runner.MAX_CHUNKS` (1 = one call).
+the ratios. The cut is `tokendance.model.runner.MAX_CHUNKS` (1 = one call). This is SDPA's path:
+where the bf16 prefill kernel runs instead (bf16 on a CPU with AVX512-BF16), give `--dtype float32`;
+benchmarks/prefill_kernel.py measures the kernel against SDPA.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tokendance import LLM, SamplingParams
 llm = LLM(dtype="float32")
 (out,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))
 print("module", tokendance.__file__)
-print("kernel", llm.engine.runner.model.decode_kernel is not None)
+print("kernel", llm.engine.runner.model.attention.decode is not None)
 print("text", repr(out.text))
 """
 

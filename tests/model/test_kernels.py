@@ -11,7 +11,7 @@ import torch
 from tests.helpers import LOGIT_ATOL, round_turns
 from tokendance import SamplingParams
 from tokendance.model import kernels
-from tokendance.model.llama import rotate_pairs
+from tokendance.model.attention import rotate_pairs
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=True)  # every decode step's logits
 
@@ -29,12 +29,12 @@ def kernel_enabled(monkeypatch):
 @pytest.mark.parametrize("mode", ["prefix", "tokendance"])
 def test_kernel_decode_equals_eager_decode(make_llm, kernel_enabled, mode):
     fast = make_llm(dtype="float32", reuse=mode, recompute_ratio=0.3)
-    assert fast.engine.runner.model.decode_kernel is not None
+    assert fast.engine.runner.model.attention.decode is not None
     kernels.load.cache_clear()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOKENDANCE_KERNELS", "0")
         eager = make_llm(dtype="float32", reuse=mode, recompute_ratio=0.3)
-    assert eager.engine.runner.model.decode_kernel is None
+    assert eager.engine.runner.model.attention.decode is None
     for rounds in (1, 2):  # round 2: sessions, recall and masters at other positions
         got = fast.run_round(round_turns(rounds), PARAMS)
         want = eager.run_round(round_turns(rounds), PARAMS)

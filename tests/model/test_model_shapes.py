@@ -57,7 +57,7 @@ def test_llama_shapes_match_transformers(tmp_path, tokenizer_files, shape):
     llm = LLM(load_model(tmp_path), dtype="float32", enable_prefix_caching=True)
     config = llm.engine.model_config
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (heads, kv_heads, head_dim)
-    uses_kernel = llm.engine.runner.model.decode_kernel is not None
+    uses_kernel = llm.engine.runner.model.attention.decode is not None
     assert uses_kernel == (kernels.load() is not None and kernels.supports(kv_heads, heads, head_dim))
     prompts = [llm.tokenizer.encode("The weather in Paris today is " * 3),
                llm.tokenizer.encode("Agents gather in the square and talk about the harvest " * 6)]

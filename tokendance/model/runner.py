@@ -7,14 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokendance.batch import SchedulerOutput, ScheduledRequest
-from tokendance.model.llama import (
-    AttentionMetadata,
-    DecodeAttention,
-    KVCacheTensors,
-    LlamaModel,
-    PrefillAttention,
-    rotate_pairs,
-)
+from tokendance.model.attention import AttentionMetadata, DecodeAttention, PrefillAttention, rotate_pairs
+from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.sampling import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from tokendance.structured import GrammarCompiler
 
@@ -186,17 +180,20 @@ class ModelRunner:
             return PrefillAttention(row, row + num_new, None)
         query_positions = self._tensor(list(item.positions))
         key_positions = torch.arange(num_context, device=self.device)
+        slots = self._tensor(item.context_slots)
+        rotation = self._rotation(slots, key_positions)
+        if self.model.attention.prefill is not None:  # the kernel stops each query at its position
+            return PrefillAttention(row, row + num_new, slots, rotation, limits=query_positions + 1)
         parts = tuple((start, end, num_keys, key_positions[None, :num_keys] <= query_positions[start:end, None])
                       for start, end, num_keys in key_prefix_chunks(item.positions))  # causal masks
-        slots = self._tensor(item.context_slots)
-        return PrefillAttention(row, row + num_new, slots, self._rotation(slots, key_positions), parts)
+        return PrefillAttention(row, row + num_new, slots, rotation, parts)
 
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]
         width = max(lengths)
         padded = self._tensor([s + [0] * (width - len(s)) for s in slots])  # [B, Lk]
         length_tensor = self._tensor(lengths)
-        if self.model.decode_kernel is not None:  # reads slots in place, rotates queries itself
+        if self.model.attention.decode is not None:  # reads slots in place, rotates queries itself
             return DecodeAttention(self._tensor(rows), padded, length_tensor)
         key_positions = torch.arange(width, device=self.device)
         mask = key_positions[None, :] < length_tensor[:, None]  # [B, Lk]

@@ -3,8 +3,10 @@ compiler (`gcc -O3 -march=native -fopenmp`; AVX2 where torch runs AVX2 kernels) 
 per-machine cache and called through ctypes.
 Where no compiler is found or the build fails, `load()` returns None and callers use eager ops.
 
-The paged decode kernel is on by default; `TOKENDANCE_KERNELS=0` turns it off (eager gather +
-SDPA). benchmarks/decode.py measures both side by side.
+Two kernels: paged decode attention (paged_decode.c, any x86-64), and prefill attention in bf16
+dot products (prefill_bf16.c, built only where the CPU has AVX512-BF16). Both are on by default;
+`TOKENDANCE_KERNELS=0` turns them off (eager gather + SDPA). benchmarks/decode.py and
+benchmarks/prefill_kernel.py measure each against SDPA side by side.
 `TOKENDANCE_CACHE` moves the build cache (default ~/.cache/tokendance).
 """
 
@@ -44,36 +46,64 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENDANCE_CACHE") or Path.home() / ".cache" / "tokendance") / "kernels"
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
+def _build(stem: str, flags: list[str]) -> ctypes.CDLL | None:
+    """The library built from `stem`.c with `flags`, from the cache or compiled now (None: off,
+    no compiler, or the build failed; the reason is logged)."""
     if os.environ.get("TOKENDANCE_KERNELS", "1").strip().lower() in ("0", "false", "no", ""):
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
-        logger.warning("no C compiler found: paged decode attention runs in eager torch ops")
+        logger.warning("no C compiler found: %s runs in eager torch ops", stem.replace("_", " "))
         return None
-    flags = FLAGS + arch_flags()
+    source_path = SOURCE.with_name(f"{stem}.c")
     try:
-        source = SOURCE.read_bytes()  # an installation without the source falls back like a failed build
+        source = source_path.read_bytes()  # an installation without the source falls back like a failed build
         # -march=native: the binary is only valid on this kind of CPU, so the CPU is in the key
         key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-        library = cache_dir() / f"paged_decode-{key}.so"
+        library = cache_dir() / f"{stem}-{key}.so"
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
                 built = Path(tmp) / library.name
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                subprocess.run([compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 os.replace(built, library)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(library))
+        return ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("building the paged decode kernel failed, using eager torch ops: %s", detail)
+        logger.warning("building %s failed, using eager torch ops: %s", stem.replace("_", " "), detail)
+        return None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The paged decode kernel."""
+    lib = _build("paged_decode", FLAGS + arch_flags())
+    if lib is None:
         return None
     fn = lib.paged_decode_attention  # limits: MAX_HEADS, MAX_GROUP, MAX_DIM (checked by supports())
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+PREFILL_DIM = 64  # the head size prefill_bf16.c is built for
+
+
+@functools.cache
+def load_prefill() -> ctypes.CDLL | None:
+    """The bf16 prefill attention kernel, where torch runs AVX-512 kernels on a CPU with bf16 dot
+    products (AVX512-BF16); None elsewhere (attention runs in SDPA)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX") or \
+            "avx512_bf16" not in cpu_flags():
+        return None
+    lib = _build("prefill_bf16", FLAGS + ["-march=native"])
+    if lib is None:
+        return None
+    fn = lib.prefill_attention_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -117,4 +147,24 @@ def paged_decode_attention(
     if status != 0:
         raise ValueError(f"paged decode attention does not support {num_heads} heads over {key_cache.shape[1]} "
                          f"KV heads of dimension {dim}")
+    return out
+
+
+def prefill_attention_bf16(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [Lq, Hq, D] bf16, contiguous
+    keys: torch.Tensor,  # [Lk, Hkv, D] bf16, contiguous, at their read positions
+    values: torch.Tensor,
+    limits: torch.Tensor,  # [Lq] int64: query t attends keys [0, limits[t]), 1 <= limits[t] <= Lk
+    scale: float,
+) -> torch.Tensor:  # [Lq, Hq, D] float32
+    out = torch.empty(q.shape, dtype=torch.float32)
+    status = lib.prefill_attention_bf16(q.data_ptr(), keys.data_ptr(), values.data_ptr(), limits.data_ptr(),
+                                        q.shape[0], keys.shape[0], q.shape[1], keys.shape[1], q.shape[2], scale,
+                                        torch.get_num_threads(), out.data_ptr())
+    if status == -2:
+        raise MemoryError("prefill attention could not allocate its work space")
+    if status != 0:
+        raise ValueError(f"prefill attention does not support {q.shape[1]} heads over {keys.shape[1]} KV heads of "
+                         f"dimension {q.shape[2]}")
     return out

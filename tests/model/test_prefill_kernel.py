@@ -1,0 +1,88 @@
+"""The bf16 prefill attention kernel (bf16 dot products, each query stopped at its limit) against
+float32 SDPA with an explicit mask, on random tensors, and against the SDPA path on real rounds
+(causal prompts, chunks over cached context, recomputed tokens over masters at other positions).
+Skipped where the CPU has no AVX512-BF16 (the kernel is not built there) or no C compiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import round_turns
+from tokendance import SamplingParams
+from tokendance.model import kernels
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, return_logits=True)
+
+
+@pytest.fixture
+def prefill_kernel(monkeypatch):
+    monkeypatch.setenv("TOKENDANCE_KERNELS", "1")
+    kernels.load_prefill.cache_clear()
+    lib = kernels.load_prefill()
+    if lib is None:
+        pytest.skip("the bf16 prefill kernel needs AVX512-BF16 and a C compiler")
+    yield lib
+    kernels.load_prefill.cache_clear()
+
+
+def reference(q, k, v, limits):
+    """softmax(q k / sqrt(D)) v in float32, query t over keys [0, limits[t])."""
+    mask = torch.arange(k.shape[0])[None, :] < limits[:, None]
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                       v.float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("num_queries,num_keys,heads,kv_heads,layout", [
+    (1, 1, 9, 3, "causal"),
+    (7, 7, 9, 3, "causal"),
+    (300, 300, 9, 3, "causal"),
+    (40, 100, 9, 3, "scattered"),  # a round's recomputed tokens over their context
+    (200, 1000, 9, 3, "tail"),  # a chunk over cached context
+    (33, 70, 4, 2, "scattered"),  # a group of 2: items mix tokens differently
+    (5, 37, 8, 8, "scattered"),  # no grouping
+])
+def test_prefill_kernel_matches_float32_attention(prefill_kernel, num_queries, num_keys, heads, kv_heads, layout):
+    generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
+    q = (2 * torch.randn(num_queries, heads, 64, generator=generator)).bfloat16()
+    k = (2 * torch.randn(num_keys, kv_heads, 64, generator=generator)).bfloat16()
+    v = torch.randn(num_keys, kv_heads, 64, generator=generator).bfloat16()
+    if layout == "scattered":
+        positions = torch.sort(torch.randperm(num_keys, generator=generator)[:num_queries]).values
+    else:
+        positions = torch.arange(num_keys - num_queries, num_keys)
+    limits = positions + 1
+    got = kernels.prefill_attention_bf16(prefill_kernel, q, k, v, limits, 64 ** -0.5)
+    want = reference(q, k, v, limits)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    bf16_sdpa = reference(q, k, v, limits).bfloat16().float()  # the output rounding SDPA in bf16 adds alone
+    assert (got - want).abs().max().item() < 1e-2
+    assert (got - want).abs().mean().item() < 2 * (bf16_sdpa - want).abs().mean().item() + 1e-3
+
+
+def test_prefill_kernel_refuses_other_head_sizes(prefill_kernel):
+    q, k = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dimension 128"):
+        kernels.prefill_attention_bf16(prefill_kernel, q, k, k, torch.tensor([1, 2]), 0.1)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "tokendance"])
+def test_kernel_prefill_equals_sdpa_prefill_in_rounds(make_llm, prefill_kernel, mode):
+    """Round 1 prefills causally; round 2 runs chunks over sessions and the prefix cache, and
+    recomputes tokens over masters read at other positions. The kernel's first-token logits are as
+    close to float32's as SDPA's in bf16 are, and the outputs the same but for near ties."""
+    fast = make_llm(dtype="bfloat16", reuse=mode, recompute_ratio=0.3)
+    assert fast.engine.runner.model.attention.prefill is not None
+    slow = make_llm(dtype="bfloat16", reuse=mode, recompute_ratio=0.3)
+    slow.engine.runner.model.attention.prefill = None
+    exact = make_llm(dtype="float32", reuse=mode, recompute_ratio=0.3)
+    for rounds in (1, 2):
+        got, want, truth = (llm.run_round(round_turns(rounds), PARAMS).outputs for llm in (fast, slow, exact))
+        agree = sum(a.token_ids == b.token_ids for a, b in zip(got, want))
+        assert agree >= len(got) - 1  # bf16: one output may take another path after a near tie
+        for ours, sdpa, reference in zip(got, want, truth):
+            ours_error = (ours.logits[0].float() - reference.logits[0]).abs().max().item()
+            sdpa_error = (sdpa.logits[0].float() - reference.logits[0]).abs().max().item()
+            assert ours_error < 1.5 * sdpa_error + 0.1
