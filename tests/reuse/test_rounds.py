@@ -425,3 +425,42 @@ def test_round_cost_accounts_for_every_computed_token(make_llm, mode):
             else:
                 assert cost.recomputed > 0 and stats.reused_tokens > 0
     assert make_llm(reuse="prefix").run_round(round_turns(1), PARAMS).stats.cost is None
+
+
+def late_span_turns() -> list[AgentTurn]:
+    """Five agents: all hold X; 1 and 2 hold Y (agent 1 becomes the master, for X and Y); 3 and 4
+    hold Z, which no master holds."""
+    rng = random.Random(7)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    x, y, z = f"News: {text(60)}.", f"Rumour: {text(30)}.", f"Gossip: {text(20)}."
+    extra = {1: [y], 2: [y], 3: [z], 4: [z]}
+    return [AgentTurn(f"agent{i}", [{"role": "system", "content": persona(f"agent{i}", 8 + 3 * i)},
+                                    {"role": "user", "content": x},
+                                    *({"role": "user", "content": c} for c in extra.get(i, [])),
+                                    {"role": "user", "content": f"agent{i}, what now?"}])
+            for i in range(5)]
+
+
+def test_a_span_no_master_holds_is_computed_once_by_its_first_holder(make_llm):
+    """Z is computed by one of its holders, in its context, and the other reuses it (its first
+    tokens recomputed), in the same step or in a later one: the outputs do not depend on how the
+    round's passes are cut into steps."""
+    results = [make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=budget)
+               .run_round(late_span_turns(), PARAMS) for budget in (2048, 64)]
+    for result in results:
+        cost = result.stats.cost
+        # every shared span computed once, but for the generation prompt's first 3 tokens: every
+        # agent computes them (the span ends with the prompt's last token, which is the scheduler's)
+        assert cost.shared_again == 3 * (5 - 1)
+        assert cost.total == pytest.approx(result.stats.computed_tokens)
+    one_step, many_steps = results
+    for a, b in zip(one_step.outputs, many_steps.outputs):
+        assert a.token_ids == b.token_ids
+        assert (a.logits[0] - b.logits[0]).abs().max().item() < LOGIT_ATOL
+    full = make_llm(dtype="float32", reuse="full").run_round(late_span_turns(), PARAMS)
+    for ours, reference in zip(one_step.outputs, full.outputs):  # reused KV, not garbage: close to full's
+        want, got = reference.logits[0].log_softmax(-1), ours.logits[0].log_softmax(-1)
+        assert (want.exp() * (want - got)).sum().item() < 0.1  # measured <= 0.017

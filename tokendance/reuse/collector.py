@@ -98,10 +98,18 @@ class KVCollector(ReusePolicy):
         report.computed_tokens += yield from rk.recompute(masters, private_positions)
         for agent in masters:
             rk.register_masters(agent)
+        # The others in the order they are computed: those with the longest outputs to write
+        # first, so the round's last output comes early. A shared span no master holds is computed
+        # by its first holder in this order, in its own context, and reused by the later ones.
         others = [a for a in agents if all(a is not m for m in masters)]
-        for agent in others:  # shared spans no master holds are computed by each holder
-            agent.reused_spans = [i for i in agent.reused_spans
-                                  if agent.turn.spans[i].key is None or agent.turn.spans[i].key in rk.masters]
+        others.sort(key=lambda a: (-a.max_output_tokens, len(private_positions(a))))
+        computed_by: dict[bytes, AgentPrefill] = {}
+        for agent in others:
+            for index in agent.reused_spans:
+                key = agent.turn.spans[index].key
+                if key is not None and key not in rk.masters:
+                    computed_by.setdefault(key, agent)
+            agent.reused_spans = [i for i in agent.reused_spans if computed_by.get(agent.turn.spans[i].key) is not agent]
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -112,9 +120,11 @@ class KVCollector(ReusePolicy):
         started = time.perf_counter()
         for agent in others:  # every table is built before any agent runs: a pool too small fails here
             self._build_table(agent)
+            rk.register_masters(agent)  # the spans it computes first, for the later holders
         if masters:
             yield Ready(masters)
-        others.sort(key=lambda a: (-a.max_output_tokens, len(private_positions(a))))
+        # In this order a span's first holder runs in the same step as its later holders or before:
+        # each layer writes the step's keys and values before any attention reads them.
         report.computed_tokens += yield from rk.recompute(others, private_positions, releases=True)
         report.recompute_seconds = time.perf_counter() - started
         count_reuse(agents, report)
@@ -138,6 +148,9 @@ class KVCollector(ReusePolicy):
         for agent, keys in zip(probes, fresh):
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
+                if span.key is not None and span.key not in rk.masters:  # its first holder has not computed it yet
+                    agent.selected[index] = selector.select(span.end - span.start, None)
+                    continue
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
                 deviation = rk.deviation(keys[rows], rk.source_slots(agent, index), range(span.start, span.end))
                 agent.selected[index] = selector.select(span.end - span.start, deviation)
@@ -147,9 +160,9 @@ class KVCollector(ReusePolicy):
             for agent in agents:
                 for index in agent.reused_spans:
                     span = agent.turn.spans[index]
-                    if span.key is not None:
+                    if span.key in chosen:
                         agent.selected[index] = chosen[span.key]
-                    elif index not in agent.selected:  # a recalled span no probe checked
+                    elif index not in agent.selected:  # a recalled or late span no probe checked
                         agent.selected[index] = selector.select(span.end - span.start, None)
         checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
         return checked * (rk.check_layer + 1) / rk.num_layers

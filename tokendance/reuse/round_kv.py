@@ -206,7 +206,8 @@ class RoundKV:
                   releases: bool = False) -> Generator[Work | Ready, None, int]:
         """Compute the given positions of each agent through all layers over its fused table, in
         the agents' order. `releases`: this completes their tables (agents with nothing to
-        compute are ready at once). Returns the number of tokens computed."""
+        compute are ready once the others' passes ran: their tables may read slots those passes
+        write). Returns the number of tokens computed."""
         items, idle = [], []
         for agent in agents:
             positions = positions_of(agent)
@@ -216,10 +217,10 @@ class RoundKV:
             slots = self.kv.get_slots(agent.table_id)[: positions[-1] + 1]
             token_ids = [agent.token_ids[p] for p in positions]
             items.append(ScheduledRequest(agent.table_id, token_ids, positions, slots, False, None))
-        if releases and idle:
-            yield Ready(idle)
         if items:
             yield Work(items, releases=releases)
+        if releases and idle:
+            yield Ready(idle)
         return sum(len(i.token_ids) for i in items)
 
 
