@@ -26,7 +26,7 @@
 #define MAX_DIM 256
 #define MAX_HEADS 16 /* KV heads */
 #define CHUNK 64
-#define MIN_SHARED_RUN 8 /* shorter runs stay in their request's private item */
+#define MIN_SHARED_RUN 32 /* shorter runs stay in their request's private item */
 
 typedef struct {
     const void *keys, *values;
