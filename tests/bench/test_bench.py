@@ -8,6 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import kv_bytes, salt
 from tokendance.bench.capacity import find_max_agents, run_trial
 from tokendance.bench.cli import add_bench_arguments
 from tokendance.bench.rounds import run_rounds
@@ -145,10 +146,27 @@ def test_capacity_search_drives_a_server(tmp_path, plain_server):
         assert all(t["preemptions"] == t["evictions"] == t["extra_waves"] == 0 for t in trials)
 
 
+def test_bench_drives_a_server_and_reads_its_kv(tmp_path, plain_server):
+    """`bench --target`: rounds sent as concurrent streamed chats; the server's KV is read from
+    its /metrics while each round runs (declared rounds keep sessions: round 2 starts with KV held)."""
+    from tokendance.bench.target import run_target
+
+    out = tmp_path / "target.json"
+    args = bench_args("--target", plain_server.url + "/v1", "--workload", "fact-recall", "--agents", "2", "--rounds",
+                      "2", "--max-tokens", "2", "--declare-rounds", "--cache-salt", salt(), "--out", str(out))
+    assert run_target(args) == 0
+    rows = json.loads(out.read_text())["rounds"]
+    assert [(r["agents"], r["round"]) for r in rows] == [(2, 1), (2, 2)]
+    assert all(r["completion_tokens"] == 4 and r["prompt_tokens"] > 0 for r in rows)
+    assert rows[1]["cached_tokens"] > 0  # the agents' sessions
+    block_bytes = 16 * int(kv_bytes(1))
+    assert rows[1]["kv_peak_bytes"] >= block_bytes and rows[1]["kv_peak_bytes"] % block_bytes == 0
+
+
 def test_capacity_search_against_a_server_sees_its_memory_run_out(tmp_path):
     """With a pool that holds one agent's round, two agents' declared round makes the server
     preempt, evict or split the round: its /metrics counters say so, and two do not fit."""
-    from tests.helpers import kv_bytes, serving
+    from tests.helpers import serving
     from tokendance.bench.capacity import run_capacity
 
     server = next(serving("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(12 * 16)))

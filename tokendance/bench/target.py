@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -60,22 +61,39 @@ class Client:
         with self._request("/models") as response:
             return json.load(response)["data"]
 
-    def memory_counters(self) -> dict[str, float] | None:
-        """The server's `MEMORY_COUNTERS` from its Prometheus /metrics (next to /v1), summed over
-        labels and by what they count; None where the server exports no /metrics."""
-        root = self.base_url.removesuffix("/v1")
+    def metrics(self) -> list[tuple[str, str, float]] | None:
+        """The server's Prometheus /metrics (next to /v1) as (name, labels, value) samples; None
+        where it exports none."""
         try:
-            with urllib.request.urlopen(root + "/metrics", timeout=self.timeout) as response:
+            with urllib.request.urlopen(self.base_url.removesuffix("/v1") + "/metrics", timeout=self.timeout) as response:
                 text = response.read().decode()
         except OSError:
             return None
+        return [(m.group(1), m.group(2) or "", float(m.group(3))) for m in map(SAMPLE.match, text.splitlines()) if m]
+
+    def memory_counters(self) -> dict[str, float] | None:
+        """The server's `MEMORY_COUNTERS`, summed over labels and by what they count."""
+        samples = self.metrics()
+        if samples is None:
+            return None
         found: dict[str, float] = {}
-        for line in text.splitlines():
-            match = SAMPLE.match(line)
-            if match and match.group(1) in MEMORY_COUNTERS:
-                kind = MEMORY_COUNTERS[match.group(1)]
-                found[kind] = found.get(kind, 0.0) + float(match.group(3))
+        for name, _, value in samples:
+            if name in MEMORY_COUNTERS:
+                found[MEMORY_COUNTERS[name]] = found.get(MEMORY_COUNTERS[name], 0.0) + value
         return found
+
+    def kv_bytes_used(self) -> float | None:
+        """KV bytes the server holds for requests (and agent sessions) now: `tokendance serve`'s
+        tokendance_kv_bytes_used, vLLM's kv_cache_usage_perc x its kv_cache_memory_bytes."""
+        samples = self.metrics() or []
+        named = {name: (labels, value) for name, labels, value in samples}
+        if "tokendance_kv_bytes_used" in named:
+            return named["tokendance_kv_bytes_used"][1]
+        if "vllm:kv_cache_usage_perc" in named and "vllm:cache_config_info" in named:
+            budget = re.search(r'kv_cache_memory_bytes="(\d+)"', named["vllm:cache_config_info"][0])
+            if budget:
+                return named["vllm:kv_cache_usage_perc"][1] * int(budget.group(1))
+        return None
 
     def _first_model(self) -> str:
         models = self.model_cards()
@@ -106,6 +124,32 @@ class Client:
         reply.finished = time.perf_counter()
         reply.first_token = reply.first_token or reply.finished
         return reply
+
+
+class KVPeak:
+    """The most KV a server held while a block ran: its /metrics polled every `interval` s on a
+    thread (None where the server does not report its KV)."""
+
+    def __init__(self, client: Client, interval: float = 0.25):
+        self.client, self.interval, self.peak = client, interval, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "KVPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while True:
+            used = self.client.kv_bytes_used()
+            if used is not None:
+                self.peak = max(self.peak or 0.0, used)
+            if self._stop.wait(self.interval):
+                return
 
 
 def run_target(args) -> int:
@@ -148,7 +192,7 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         return client.chat(list(turn.messages), max_tokens, extra)
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(turns)) as pool:
+    with KVPeak(client) as kv, ThreadPoolExecutor(max_workers=len(turns)) as pool:
         replies = list(pool.map(send, turns))
     history.append({t.agent_id: (reply.text.strip() or SILENT) for t, reply in zip(turns, replies)})
     return {
@@ -159,16 +203,23 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         "prompt_tokens": sum(x.prompt_tokens for x in replies),
         "cached_tokens": sum(x.cached_tokens for x in replies),
         "completion_tokens": sum(x.completion_tokens for x in replies),
+        "kv_peak_bytes": kv.peak,  # the most KV the server held during the round (None: not reported)
         "replicas": sorted({x.replica for x in replies if x.replica}),
     }
 
 
 def format_target(rows: list[dict], client: Client) -> str:
     lines = [f"{client.base_url} ({client.model})",
-             f"{'N':>4} {'rd':>2}{'round s':>9}{'1st tok':>8}{'TTFT s':>8}{'tail s':>7}{'prompt tok':>11}{'cached':>8}{'out tok':>8}  replicas"]
+             f"{'N':>4} {'rd':>2}{'round s':>9}{'1st tok':>8}{'TTFT s':>8}{'tail s':>7}{'prompt tok':>11}{'cached':>8}{'out tok':>8}{'KV MB/agent':>12}  replicas"]
     for r in rows:
         lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['first_token_seconds']:>8.2f}"
                      f"{r['prefill_seconds']:>8.2f}{r['round_seconds'] - r['prefill_seconds']:>7.2f}"
-                     f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}  "
+                     f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}"
+                     f"{_per_agent_mb(r):>12}  "
                      f"{','.join(name[-6:] for name in r.get('replicas', [])) or '-'}")
     return "\n".join(lines)
+
+
+def _per_agent_mb(row: dict) -> str:
+    peak = row.get("kv_peak_bytes")
+    return "-" if peak is None else f"{peak / row['agents'] / 2**20:.2f}"

@@ -48,6 +48,7 @@ class EngineStats:
     num_preemptions: int
     num_sessions: int  # agents whose KV is kept between rounds
     num_evictions: int  # kept tables (sessions) evicted to make room
+    bytes_per_block: int = 0  # KV bytes of one block, all layers
 
     @property
     def num_used_blocks(self) -> int:
@@ -151,6 +152,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_sessions=len(self.kv.find_kept(SessionKey)),
             num_evictions=self.kv.num_evictions,
+            bytes_per_block=self.bytes_per_block,
         )
 
     # ------------------------------------------------------------ requests in

@@ -29,6 +29,7 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_kv_blocks_total": ("gauge", "blocks in the KV pool", None),
     "tokendance_kv_blocks_used": ("gauge", "KV blocks held by requests and agent sessions", None),
     "tokendance_kv_blocks_free": ("gauge", "KV blocks free (cached prefix blocks count as free)", None),
+    "tokendance_kv_bytes_used": ("gauge", "KV bytes held by requests and agent sessions", None),
     "tokendance_agent_sessions": ("gauge", "agent sessions holding KV between rounds", None),
     "tokendance_session_evictions_total": ("counter", "agent sessions evicted under memory pressure", None),
     "tokendance_rounds_total": ("counter", "rounds run, by how they formed", None),
@@ -121,6 +122,7 @@ class Metrics:
         self.set("tokendance_kv_blocks_total", stats.num_blocks)
         self.set("tokendance_kv_blocks_used", stats.num_used_blocks)
         self.set("tokendance_kv_blocks_free", stats.num_free_blocks)
+        self.set("tokendance_kv_bytes_used", stats.num_used_blocks * stats.bytes_per_block)
         self.set("tokendance_agent_sessions", stats.num_sessions)
         self.set("tokendance_session_evictions_total", stats.num_evictions)
         self.set("tokendance_preemptions_total", stats.num_preemptions)
