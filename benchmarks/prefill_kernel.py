@@ -8,6 +8,7 @@ Shapes of the default model (9 query heads over 3 KV heads of 64), bf16, per lay
 - chunk: the last 256 tokens of a prompt over the cached rest;
 - recompute: a round's recomputed tokens (5% of the context, scattered) plus a private tail of 15%,
   over the whole context, as a reusing agent's prefill is.
+Keys sit at the positions they are read at (no rotation), in slots 0..L-1 of a pool of L slots.
 Needs a CPU with AVX512-BF16 (the kernel is built only there).
 """
 
@@ -55,7 +56,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/prefill_kernel.json")
     args = parser.parse_args()
-    kernel = PrefillKernel.load(torch.bfloat16, 64)
+    max_shift = max(args.keys)
+    no_turn = (torch.ones(2 * max_shift + 1, 1, 32), torch.zeros(2 * max_shift + 1, 1, 32))  # every key at its position
+    kernel = PrefillKernel.load(torch.bfloat16, 64, *no_turn, max_shift)
     if kernel is None:
         sys.exit("the bf16 prefill kernel is not built here (it needs AVX512-BF16 and a C compiler)")
     sdpa, fast = AttentionKernels(FusedKeyReader()), AttentionKernels(FusedKeyReader(), prefill=kernel)
@@ -77,7 +80,7 @@ def main() -> None:
                 parts = tuple((a, b, n, torch.arange(n)[None, :] <= positions[a:b, None])
                               for a, b, n in key_prefix_chunks(positions.tolist()))
                 meta = PrefillAttention(0, len(positions), slots, None, parts, positions + 1)
-            seconds = [timed(lambda run=run: prefill_attention(q, new_k, new_v, cache_k, cache_v, meta, run),
+            seconds = [timed(lambda run=run: prefill_attention(q, new_k, new_v, cache_k, cache_v, meta, run, slots),
                              args.repeats) for run in (sdpa, fast)]
             flops = 4 * 64 * 9 * int((positions + 1).sum())  # scores and weighted values of the keys attended
             row = {"shape": shape, "keys": keys, "queries": len(positions), "sdpa_ms": 1000 * seconds[0],

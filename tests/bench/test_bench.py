@@ -161,6 +161,15 @@ def test_bench_drives_a_server_and_reads_its_kv(tmp_path, plain_server):
     assert rows[1]["cached_tokens"] > 0  # the agents' sessions
     block_bytes = 16 * int(kv_bytes(1))
     assert rows[1]["kv_peak_bytes"] >= block_bytes and rows[1]["kv_peak_bytes"] % block_bytes == 0
+    # the same plots as the in-process modes', one line per server (benchmarks/scaling_plot.py)
+    from tokendance.bench import report
+    from tokendance.bench.target import as_bench_rows
+
+    server_rows = as_bench_rows(json.loads(out.read_text()), "server")
+    means = report.steady_state(server_rows, 2)[(2, "server")]
+    assert means["kv_bytes_per_agent"] == rows[1]["kv_peak_bytes"] / 2 and means["shared_compression"] is None
+    report.plot_scaling(server_rows, tmp_path / "scaling.png", "a server")
+    assert (tmp_path / "scaling.png").stat().st_size > 0
 
 
 def test_capacity_search_against_a_server_sees_its_memory_run_out(tmp_path):

@@ -62,6 +62,36 @@ def test_prefill_kernel_matches_float32_attention(prefill_kernel, num_queries, n
     assert (got - want).abs().mean().item() < 2 * (bf16_sdpa - want).abs().mean().item() + 1e-3
 
 
+def test_prefill_kernel_reads_the_pool_through_slots_and_rotates_moved_keys(prefill_kernel):
+    """Keys in scattered slots of a pool, some stored for other positions than they are read at
+    (shared KV): the kernel reads them in place, rotated, as the gathered, rotated copy reads."""
+    from types import SimpleNamespace
+
+    from tokendance.model.attention import PrefillKernel, gather_rotated_keys
+    from tokendance.model.llama import rope_inverse_frequencies
+
+    generator = torch.Generator().manual_seed(3)
+    config = SimpleNamespace(head_dim=64, rope_theta=100000.0)
+    max_shift = 500
+    angles = torch.outer(torch.arange(-max_shift, max_shift + 1, dtype=torch.float32),
+                         rope_inverse_frequencies(config))[:, None, :]
+    kernel = PrefillKernel(prefill_kernel, *(t.reshape(2 * max_shift + 1, 32).contiguous() for t in (angles.cos(), angles.sin())),
+                           max_shift)
+    pool_k = torch.randn(400, 3, 64, generator=generator).bfloat16()
+    pool_v = torch.randn(400, 3, 64, generator=generator).bfloat16()
+    slots = torch.randperm(400, generator=generator)[:150]
+    stored = torch.arange(150) + torch.randint(-40, 40, (150,), generator=generator) * (torch.arange(150) % 3 == 0)
+    slot_positions = torch.zeros(400, dtype=torch.int64)
+    slot_positions[slots] = stored.clamp(min=0)
+    shift = torch.arange(150) - slot_positions[slots] + max_shift
+    keys = gather_rotated_keys(pool_k, slots, angles.cos()[shift], angles.sin()[shift])
+    q = torch.randn(50, 9, 64, generator=generator).bfloat16()
+    limits = torch.sort(torch.randperm(150, generator=generator)[:50]).values + 1
+    got = kernel(q, pool_k, pool_v, limits, slots, slot_positions).float()
+    want = reference(q, keys, pool_v[slots], limits)
+    assert (got - want).abs().max().item() < 2e-2  # bf16 output rounding included
+
+
 def test_prefill_kernel_refuses_other_head_sizes(prefill_kernel):
     q, k = torch.zeros(2, 4, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dimension 128"):

@@ -67,7 +67,8 @@ def _num(value, width: int, digits: int) -> str:
 
 
 def steady_state(rows: list[dict], from_round: int) -> dict[tuple[int, str], dict]:
-    """Per (agents, mode): means over rounds >= from_round (or the last round if there are fewer)."""
+    """Per (agents, mode): means over rounds >= from_round (or the last round if there are fewer);
+    None for a figure no picked round reports (a server's rows have no compression)."""
     groups = defaultdict(list)
     for r in rows:
         groups[(r["agents"], r["mode"])].append(r)
@@ -75,9 +76,11 @@ def steady_state(rows: list[dict], from_round: int) -> dict[tuple[int, str], dic
     for key, group in groups.items():
         last = max(r["round"] for r in group)
         picked = [r for r in group if r["round"] >= min(from_round, last)]
-        out[key] = {k: sum(r[k] for r in picked) / len(picked)
-                    for k in ("round_seconds", "prefill_seconds", "decode_seconds", "kv_bytes_per_agent",
-                              "compression", "shared_compression", "computed_tokens", "prompt_tokens")}
+        out[key] = {}
+        for k in ("round_seconds", "prefill_seconds", "decode_seconds", "kv_bytes_per_agent", "compression",
+                  "shared_compression", "computed_tokens", "prompt_tokens"):
+            values = [r[k] for r in picked if r.get(k) is not None]
+            out[key][k] = sum(values) / len(values) if values else None
         tops = [r["fidelity"]["top1_agreement"] for r in picked if r.get("fidelity") and r["fidelity"]["top1_agreement"] is not None]
         out[key]["top1_agreement"] = sum(tops) / len(tops) if tops else None
         out[key]["rounds"] = sorted(r["round"] for r in picked)
@@ -105,6 +108,7 @@ def format_summary(rows: list[dict], from_round: int = 3) -> str:
 
 
 STYLES = {"full": ("o", "-"), "prefix": ("s", "--"), "pic": ("^", ":"), "tokendance": ("D", "-")}  # marker, line
+OTHER_STYLES = (("v", "-."), ("*", "-"), ("x", ":"), ("P", "--"))  # servers and other names
 
 
 def mode_order(modes) -> list[str]:
@@ -120,25 +124,34 @@ def caption(workload: str, agents: list[int], rounds: str, loop: str, machine: d
             f"{machine['dtype']}, CPU capability {machine['cpu_capability']}")
 
 
+SCALING_PANELS = (  # figure, axis label, scale
+    ("round_seconds", "round latency (s)", 1.0),
+    ("prefill_seconds", "round TTFT: last agent's first token (s)", 1.0),
+    ("kv_bytes_per_agent", "KV MB per agent", 1 / MB),
+    ("shared_compression", "shared-span compression (x)", 1.0),
+)
+
+
 def plot_scaling(rows: list[dict], path: Path, title: str, from_round: int = 3) -> None:
-    """Round latency and KV bytes per agent against the number of agents, one line per mode
-    (each its own marker and dashes: modes with equal values stay visible), both axes from 0."""
+    """Round latency, round TTFT, KV bytes per agent and shared-span compression against the number
+    of agents, one line per mode or system (each its own marker and dashes: equal values stay
+    visible), all axes from 0. A system that does not report a figure has no line in its panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     means = steady_state(rows, from_round)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
-    for mode in mode_order({m for _, m in means}):
-        ns = sorted(n for n, m in means if m == mode)
-        marker, line = STYLES.get(mode, ("x", "-."))
-        style = dict(marker=marker, linestyle=line, label=mode, markerfacecolor="none", markersize=8)
-        left.plot(ns, [means[(n, mode)]["round_seconds"] for n in ns], **style)
-        right.plot(ns, [means[(n, mode)]["kv_bytes_per_agent"] / MB for n in ns], **style)
-    left.set(xlabel="agents", ylabel="round latency (s)", title="round latency")
-    right.set(xlabel="agents", ylabel="KV MB per agent", title="KV per agent (lines may overlap: see markers)")
-    for ax in (left, right):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.4))
+    for ax, (figure, label, scale) in zip(axes.flat, SCALING_PANELS):
+        for mode in mode_order({m for _, m in means}):
+            ns = sorted(n for n, m in means if m == mode and means[(n, m)][figure] is not None)
+            if not ns:
+                continue
+            marker, line = STYLES.get(mode) or OTHER_STYLES[sorted({m for _, m in means}).index(mode) % len(OTHER_STYLES)]
+            ax.plot(ns, [means[(n, mode)][figure] * scale for n in ns], marker=marker, linestyle=line, label=mode,
+                    markerfacecolor="none", markersize=8)
+        ax.set(xlabel="agents", ylabel=label, title=label.split(":")[0].split(" (")[0])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()

@@ -223,3 +223,12 @@ def format_target(rows: list[dict], client: Client) -> str:
 def _per_agent_mb(row: dict) -> str:
     peak = row.get("kv_peak_bytes")
     return "-" if peak is None else f"{peak / row['agents'] / 2**20:.2f}"
+
+
+def as_bench_rows(results: dict, label: str) -> list[dict]:
+    """A `--target` run's rounds (its JSON) as rows of the in-process bench under the name `label`,
+    for the same tables and plots: what a client sees (latency, TTFT) and the server's peak KV."""
+    return [{"agents": r["agents"], "round": r["round"], "mode": label, "round_seconds": r["round_seconds"],
+             "prefill_seconds": r["prefill_seconds"], "decode_seconds": r["round_seconds"] - r["prefill_seconds"],
+             "kv_bytes_per_agent": None if r.get("kv_peak_bytes") is None else r["kv_peak_bytes"] / r["agents"],
+             "prompt_tokens": r["prompt_tokens"]} for r in results["rounds"]]

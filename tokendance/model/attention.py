@@ -160,19 +160,30 @@ def split_decode(d: DecodeAttention) -> list[DecodeAttention]:
 
 class PrefillKernel:
     """Prefill attention of one request in bf16 dot products (model/kernels/prefill_bf16.c): keys
-    up to each query's limit, no mask tensor, no float32 copies of keys and values."""
+    and values read from the pool through the request's slots (shared keys rotated as they are
+    read), each query stopped at its position: no gathered copies, no mask tensor."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, shift_cos: torch.Tensor, shift_sin: torch.Tensor, max_shift: int):
         self.lib = lib
+        self.shift_cos, self.shift_sin, self.max_shift = shift_cos, shift_sin, max_shift
 
     @classmethod
-    def load(cls, dtype: torch.dtype, head_dim: int) -> "PrefillKernel | None":
+    def load(cls, dtype: torch.dtype, head_dim: int, shift_cos: torch.Tensor, shift_sin: torch.Tensor,
+             max_shift: int) -> "PrefillKernel | None":
+        """`shift_cos`, `shift_sin`: [2 * max_shift + 1, 1, D / 2], the rotation by each shift."""
         lib = kernels.load_prefill() if dtype == torch.bfloat16 and head_dim == kernels.PREFILL_DIM else None
-        return None if lib is None else cls(lib)
+        if lib is None:
+            return None
+        flat = (shift_cos.shape[0], shift_cos.shape[-1])
+        return cls(lib, shift_cos.reshape(flat).contiguous(), shift_sin.reshape(flat).contiguous(), max_shift)
 
-    def __call__(self, q, keys, values, limits: torch.Tensor) -> torch.Tensor:  # [Lq, Hq, D] in q's dtype
-        out = kernels.prefill_attention_bf16(self.lib, q.contiguous(), keys.contiguous(), values.contiguous(), limits,
-                                             q.shape[-1] ** -0.5)
+    def __call__(self, q, keys, values, limits: torch.Tensor, slots: torch.Tensor | None = None,
+                 slot_positions: torch.Tensor | None = None) -> torch.Tensor:  # [Lq, Hq, D] in q's dtype
+        """Over `keys`/`values` themselves (key j at position j), or with `slots` over the pool."""
+        paged = None if slots is None else kernels.Paged(slots, slot_positions, self.shift_cos, self.shift_sin,
+                                                         self.max_shift)
+        out = kernels.prefill_attention_bf16(self.lib, q.contiguous(), keys, values, limits, q.shape[-1] ** -0.5,
+                                             paged)
         return out.to(q.dtype)
 
 
@@ -201,7 +212,7 @@ def paged_attention(
     out = torch.empty_like(q)
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_end)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], key_cache, value_cache, p, run)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], key_cache, value_cache, p, run, slot_positions)
     d = meta.decode
     if d is not None and alone and d.rotation is None:  # each request alone: no padding, no shared reads
         for row, decode in zip(d.query_rows.tolist(), split_decode(d)):
@@ -211,19 +222,20 @@ def paged_attention(
     return out.flatten(1)
 
 
-def prefill_attention(q, k, v, key_cache, value_cache, p: PrefillAttention, run: AttentionKernels) -> torch.Tensor:
+def prefill_attention(q, k, v, key_cache, value_cache, p: PrefillAttention, run: AttentionKernels,
+                      slot_positions: torch.Tensor | None = None) -> torch.Tensor:
     """One request's queries [Lq, Hq, D] against its context: [Lq, Hq, D]."""
     if p.context_slots is None:  # the new tokens are the whole context: causal
         if run.prefill is not None:
-            return run.prefill(q, k, v, torch.arange(1, q.shape[0] + 1))
+            return run.prefill(q, k.contiguous(), v.contiguous(), torch.arange(1, q.shape[0] + 1))
         # SDPA gets 4-D inputs: only those take the fused (flash) CPU kernel with GQA.
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            is_causal=True, enable_gqa=True)
         return o[0].transpose(0, 1)
+    if run.prefill is not None and p.limits is not None:
+        return run.prefill(q, key_cache, value_cache, p.limits, p.context_slots, slot_positions)
     keys = run.read_keys(key_cache, p.context_slots, p.rotation)  # [Lk, Hkv, D]
     values = value_cache.index_select(0, p.context_slots)
-    if run.prefill is not None and p.limits is not None:
-        return run.prefill(q, keys, values, p.limits)
     query, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     parts = [F.scaled_dot_product_attention(query[:, :, start:end], keys[:, :, :num_keys], values[:, :, :num_keys],
                                             attn_mask=mask, enable_gqa=True)

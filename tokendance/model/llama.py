@@ -135,7 +135,8 @@ class LlamaModel:
         self.attention = AttentionKernels(
             FusedKeyReader(),
             decode=PagedDecodeKernel.load(self.shift_cos, self.shift_sin, self.max_shift) if on_cpu and fits else None,
-            prefill=PrefillKernel.load(dtype, config.head_dim) if on_cpu else None,
+            prefill=PrefillKernel.load(dtype, config.head_dim, self.shift_cos, self.shift_sin, self.max_shift)
+            if on_cpu else None,
         )
         self.decode_reads = DecodeReads()
 

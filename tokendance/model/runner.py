@@ -181,12 +181,11 @@ class ModelRunner:
         query_positions = self._tensor(list(item.positions))
         key_positions = torch.arange(num_context, device=self.device)
         slots = self._tensor(item.context_slots)
-        rotation = self._rotation(slots, key_positions)
-        if self.model.attention.prefill is not None:  # the kernel stops each query at its position
-            return PrefillAttention(row, row + num_new, slots, rotation, limits=query_positions + 1)
+        if self.model.attention.prefill is not None:  # stops each query at its position, rotates keys itself
+            return PrefillAttention(row, row + num_new, slots, limits=query_positions + 1)
         parts = tuple((start, end, num_keys, key_positions[None, :num_keys] <= query_positions[start:end, None])
                       for start, end, num_keys in key_prefix_chunks(item.positions))  # causal masks
-        return PrefillAttention(row, row + num_new, slots, rotation, parts)
+        return PrefillAttention(row, row + num_new, slots, self._rotation(slots, key_positions), parts)
 
     def _decode_attention(self, rows: list[int], slots: list[list[int]]) -> DecodeAttention:
         lengths = [len(s) for s in slots]

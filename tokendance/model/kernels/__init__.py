@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -103,7 +104,8 @@ def load_prefill() -> ctypes.CDLL | None:
         return None
     fn = lib.prefill_attention_bf16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
+        [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -150,18 +152,37 @@ def paged_decode_attention(
     return out
 
 
+@dataclass(frozen=True)
+class Paged:
+    """Where a prefill's keys and values are in the KV pool: key j at `slots[j]`, stored for position
+    `slot_positions[slot]` and read at position j (rotated by the difference, with the rotation
+    tables [2 * max_shift + 1, D / 2] float32)."""
+
+    slots: torch.Tensor  # [Lk] int64
+    slot_positions: torch.Tensor  # [num_slots] int64
+    shift_cos: torch.Tensor
+    shift_sin: torch.Tensor
+    max_shift: int
+
+
 def prefill_attention_bf16(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [Lq, Hq, D] bf16, contiguous
-    keys: torch.Tensor,  # [Lk, Hkv, D] bf16, contiguous, at their read positions
+    keys: torch.Tensor,  # the pool [S, Hkv, D] bf16 (with `paged`), or the context [Lk, Hkv, D], contiguous
     values: torch.Tensor,
     limits: torch.Tensor,  # [Lq] int64: query t attends keys [0, limits[t]), 1 <= limits[t] <= Lk
     scale: float,
+    paged: Paged | None = None,
 ) -> torch.Tensor:  # [Lq, Hq, D] float32
     out = torch.empty(q.shape, dtype=torch.float32)
-    status = lib.prefill_attention_bf16(q.data_ptr(), keys.data_ptr(), values.data_ptr(), limits.data_ptr(),
-                                        q.shape[0], keys.shape[0], q.shape[1], keys.shape[1], q.shape[2], scale,
-                                        torch.get_num_threads(), out.data_ptr())
+    if paged is None:
+        num_keys, pointers, max_shift = keys.shape[0], (0, 0, 0, 0), 0
+    else:
+        num_keys, max_shift = paged.slots.shape[0], paged.max_shift
+        pointers = tuple(t.data_ptr() for t in (paged.slots, paged.slot_positions, paged.shift_cos, paged.shift_sin))
+    status = lib.prefill_attention_bf16(q.data_ptr(), keys.data_ptr(), values.data_ptr(), *pointers, max_shift,
+                                        limits.data_ptr(), q.shape[0], num_keys, q.shape[1], keys.shape[1],
+                                        q.shape[2], scale, torch.get_num_threads(), out.data_ptr())
     if status == -2:
         raise MemoryError("prefill attention could not allocate its work space")
     if status != 0:

@@ -9,6 +9,9 @@
  * conversion of keys or values. The softmax is float32 (online, per block of 32 keys); the
  * probabilities are rounded to bf16 for the value product, as PyTorch's bf16 flash kernel does.
  *
+ * Keys and values are read from the KV pool through the request's slots; a key stored for another
+ * position than it is read at (shared KV) is rotated while it is packed.
+ *
  * Layout: each KV head's keys are first packed as [tile of 16 keys][dimension pair][key] (a pair
  * of dimensions per 32-bit lane), values as [key pair][dimension][key of the pair]. Work items are
  * (KV head, ROWS query rows), a row being one query head of one token; each item keeps its rows'
@@ -46,22 +49,63 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* keys [num_keys, num_kv_heads, DIM] bf16 -> packed [num_kv_heads][tiles][PAIRS][16] 32-bit pairs;
- * values -> [num_kv_heads][pairs of keys][DIM][2] bf16. Keys past num_keys are zero. */
-static void pack(const uint16_t *keys, const uint16_t *values, int64_t num_keys, int64_t num_kv_heads,
-                 int64_t padded, uint32_t *packed_keys, uint16_t *packed_values, int num_threads) {
-    const int64_t tiles = padded / 16;
+typedef struct { /* where key j's row is: keys[slots[j]] (keys[j] without slots), stored for position
+                  * positions[slots[j]] and read at position j: rotated by the difference */
+    const uint16_t *keys, *values;
+    const int64_t *slots, *positions;
+    const float *shift_cos, *shift_sin; /* [2 * max_shift + 1][DIM / 2] */
+    int64_t max_shift, num_kv_heads;
+} Source;
+
+static inline uint16_t to_bf16(float x) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+/* Key j of KV head h at position j, as bf16 pairs: RoPE pairs (i, i + DIM/2) rotated in float32 by
+ * the shift between where it is read and where it was stored, then rounded to bf16. */
+static void read_key(const Source *s, int64_t j, int64_t h, uint16_t *out) {
+    const int64_t slot = s->slots ? s->slots[j] : j;
+    const uint16_t *row = s->keys + (slot * s->num_kv_heads + h) * DIM;
+    const int64_t shift = s->slots ? j - s->positions[slot] : 0;
+    if (shift == 0) {
+        memcpy(out, row, sizeof(uint16_t) * DIM);
+        return;
+    }
+    const float *cos = s->shift_cos + (shift + s->max_shift) * (DIM / 2), *sin = s->shift_sin + (shift + s->max_shift) * (DIM / 2);
+    for (int64_t i = 0; i < DIM / 2; i++) {
+        const float a = from_bf16(row[i]), b = from_bf16(row[i + DIM / 2]);
+        out[i] = to_bf16(a * cos[i] - b * sin[i]);
+        out[i + DIM / 2] = to_bf16(b * cos[i] + a * sin[i]);
+    }
+}
+
+/* Keys -> packed [num_kv_heads][tiles][PAIRS][16] 32-bit pairs; values -> [num_kv_heads][pairs of
+ * keys][DIM][2] bf16. Keys past num_keys are zero. */
+static void pack(const Source *s, int64_t num_keys, int64_t padded, uint32_t *packed_keys, uint16_t *packed_values,
+                 int num_threads) {
+    const int64_t tiles = padded / 16, num_kv_heads = s->num_kv_heads;
 #pragma omp parallel for collapse(2) num_threads(num_threads)
     for (int64_t h = 0; h < num_kv_heads; h++) {
         for (int64_t tile = 0; tile < tiles; tile++) {
             uint32_t *kt = packed_keys + (h * tiles + tile) * PAIRS * 16;
             uint16_t *vt = packed_values + (h * padded + tile * 16) * DIM;
+            uint32_t key[PAIRS];
             for (int64_t j = 0; j < 16; j++) {
-                const int64_t key = tile * 16 + j;
-                if (key < num_keys) {
-                    const uint32_t *row = (const uint32_t *)(keys + (key * num_kv_heads + h) * DIM);
-                    const uint16_t *value = values + (key * num_kv_heads + h) * DIM;
-                    for (int64_t p = 0; p < PAIRS; p++) kt[p * 16 + j] = row[p];
+                const int64_t index = tile * 16 + j;
+                if (index < num_keys) {
+                    read_key(s, index, h, (uint16_t *)key);
+                    const int64_t slot = s->slots ? s->slots[index] : index;
+                    const uint16_t *value = s->values + (slot * num_kv_heads + h) * DIM;
+                    for (int64_t p = 0; p < PAIRS; p++) kt[p * 16 + j] = key[p];
                     for (int64_t d = 0; d < DIM; d++) vt[((j / 2) * DIM + d) * 2 + (j % 2)] = value[d];
                 } else {
                     for (int64_t p = 0; p < PAIRS; p++) kt[p * 16 + j] = 0;
@@ -149,13 +193,19 @@ static void item(const uint16_t *q, const uint32_t *packed_keys, const uint16_t 
 }
 
 /* q:      [num_queries, num_heads, DIM] bf16, contiguous
- * keys, values: [num_keys, num_kv_heads, DIM] bf16, contiguous (keys already at their read positions)
+ * keys, values: the KV pool [num_slots, num_kv_heads, DIM] bf16 read through slots, or (slots
+ *         NULL) the context itself [num_keys, num_kv_heads, DIM], key j at position j
+ * slots:  [num_keys] int64 or NULL; slot_positions: [num_slots] int64, the position each key was
+ *         stored for (keys read at other positions are rotated; unused without slots)
+ * shift_cos, shift_sin: [2 * max_shift + 1, DIM / 2] float32, the rotation by d at row d + max_shift
  * limits: [num_queries] int64, query t attends keys [0, limits[t]), 1 <= limits[t] <= num_keys
  * out:    [num_queries, num_heads, DIM] float32
  * Returns 0, -1 for a shape it does not support, -2 when out of memory. */
-int prefill_attention_bf16(const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int64_t *limits,
-                           int64_t num_queries, int64_t num_keys, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                           float scale, int num_threads, float *out) {
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *keys, const uint16_t *values, const int64_t *slots,
+                           const int64_t *slot_positions, const float *shift_cos, const float *shift_sin,
+                           int64_t max_shift, const int64_t *limits, int64_t num_queries, int64_t num_keys,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale, int num_threads,
+                           float *out) {
     if (dim != DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     const int64_t group = num_heads / num_kv_heads, padded = (num_keys + BLOCK - 1) / BLOCK * BLOCK;
     uint32_t *packed_keys = aligned_alloc(64, sizeof(uint32_t) * num_kv_heads * padded * PAIRS);
@@ -164,7 +214,8 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *keys, const uint16
         free(packed_keys), free(packed_values);
         return -2;
     }
-    pack(keys, values, num_keys, num_kv_heads, padded, packed_keys, packed_values, num_threads);
+    const Source source = {keys, values, slots, slot_positions, shift_cos, shift_sin, max_shift, num_kv_heads};
+    pack(&source, num_keys, padded, packed_keys, packed_values, num_threads);
     const int64_t rows = num_queries * group, per_head = (rows + ROWS - 1) / ROWS;
     /* the last items (latest tokens, most keys) first: the longest work is not left for the end */
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
