@@ -1,6 +1,6 @@
 """The installable wheel: built from the repository with `pip wheel`, installed into a fresh
-virtual environment, and run there, with the machine's C compiler (the decode kernel is built
-from the source the wheel carries) and without one (eager fallback)."""
+virtual environment, and run there, with the machine's C compiler (the kernels are built from
+the sources the wheel carries) and without one (eager fallback)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from tokendance.model.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = """
@@ -26,6 +29,7 @@ llm = LLM(dtype="float32")
 print("module", tokendance.__file__)
 print("kernel", llm.engine.runner.model.attention.decode is not None)
 print("text", repr(out.text))
+print("prefill", LLM(dtype="auto").engine.runner.model.attention.prefill is not None)
 """
 
 
@@ -41,7 +45,8 @@ def installed(tmp_path_factory, model_weights) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(root / "dist"), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (root / "dist").glob("tokendance-*.whl")
-    assert "tokendance/model/kernels/paged_decode.c" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"tokendance/model/kernels/paged_decode.c", "tokendance/model/kernels/prefill_bf16.c"} <= set(names)
     venv.create(root / "env", with_pip=False)
     python = root / "env" / "bin" / "python"
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
@@ -58,10 +63,12 @@ def test_the_installed_wheel_runs(installed, tmp_path, compiler):
     done = subprocess.run([installed, "-c", RUN], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("module", "kernel", "text"))
+                 ("module", "kernel", "text", "prefill"))
     assert str(installed.parent.parent) in lines["module"]  # the wheel's copy, not the repository's
     assert ast.literal_eval(lines["text"]).strip()
     has_gcc = subprocess.run(["which", "gcc"], capture_output=True).returncode == 0
     assert lines["kernel"] == str(compiler == "gcc" and has_gcc)
+    bf16_dot_products = "avx512_bf16" in cpu_flags() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert lines["prefill"] == str(compiler == "gcc" and has_gcc and bf16_dot_products)  # auto: bf16 there
     if compiler != "gcc":
         assert "no C compiler found" in done.stdout

@@ -184,6 +184,7 @@ def test_capacity_search_against_a_server_sees_its_memory_run_out(tmp_path):
         args = bench_args("capacity", "--target", server.url + "/v1", "--workload", "fact-recall", "--rounds", "2",
                           "--max-agents", "2", "--slo-seconds", "1e9", "--declare-rounds", "--out", str(out))
         assert run_capacity(args) == 0
+        assert server.metrics()["tokendance_agent_sessions"] == 0  # each trial ended its agents
     finally:
         server.stop()
     (found,) = json.loads(out.read_text())["modes"].values()

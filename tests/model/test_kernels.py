@@ -12,6 +12,7 @@ from tests.helpers import LOGIT_ATOL, round_turns
 from tokendance import SamplingParams
 from tokendance.model import kernels
 from tokendance.model.attention import rotate_pairs
+from tokendance.model.platform import cpu_flags
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=True)  # every decode step's logits
 
@@ -103,6 +104,10 @@ def test_kernel_equals_eager_on_random_tensors(kernel_enabled, dtype, heads, kv_
     got = kernels.paged_decode_attention(kernels.load(), q, key_cache, value_cache, slots, lengths, slot_positions,
                                          shift_cos, shift_sin, max_shift, dim ** -0.5, stats)
     want = eager_decode(q, key_cache, value_cache, slots, lengths, slot_positions, shift_cos, shift_sin, max_shift)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # bf16 pools of head size 64 on CPUs with bf16 dot products: shared runs take the queries and
+    # weights in bf16 (8 bits of mantissa), as bf16 attention does
+    bf16_dots = dtype == torch.bfloat16 and dim == 64 and "avx512_bf16" in cpu_flags()
+    tolerance = 2e-2 if bf16_dots else 1e-4
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     loaded, requested = stats.tolist()
     assert loaded < requested  # the shared runs were read once for their readers

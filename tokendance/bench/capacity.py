@@ -153,6 +153,10 @@ def run_target_trial(client, num_agents: int, args) -> Trial:
     except OSError as exc:  # a refused or failed request: the server could not serve N agents
         trial.reason = f"request failed: {exc}"
         return trial
+    finally:
+        if args.declare_rounds:  # the trial's agents end: the next trial starts from a server without them
+            for agent in workload.agents:
+                client.end_agent(agent, salted.cache_salt)
     after = client.memory_counters()
     if before is not None and after is not None:
         for kind, value in after.items():

@@ -154,7 +154,10 @@ def plot_scaling(rows: list[dict], path: Path, title: str, from_round: int = 3) 
         ax.set(xlabel="agents", ylabel=label, title=label.split(":")[0].split(" (")[0])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "not reported by these systems", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,6 +71,17 @@ class Client:
         except OSError:
             return None
         return [(m.group(1), m.group(2) or "", float(m.group(3))) for m in map(SAMPLE.match, text.splitlines()) if m]
+
+    def end_agent(self, agent_id: str, cache_salt: str | None = None) -> None:
+        """DELETE /v1/agents/{id}: a declared agent's session ends (what a simulation's client does
+        when it is over); a server without sessions answers 404, which is fine."""
+        query = f"?cache_salt={urllib.parse.quote(cache_salt)}" if cache_salt else ""
+        request = urllib.request.Request(f"{self.base_url}/agents/{urllib.parse.quote(agent_id, safe='')}{query}",
+                                         method="DELETE", headers={"Authorization": f"Bearer {self.api_key}"})
+        try:
+            urllib.request.urlopen(request, timeout=self.timeout).close()
+        except OSError:  # HTTPError included: 404 where the server keeps no sessions
+            pass
 
     def memory_counters(self) -> dict[str, float] | None:
         """The server's `MEMORY_COUNTERS`, summed over labels and by what they count."""

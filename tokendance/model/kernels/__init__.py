@@ -96,8 +96,7 @@ PREFILL_DIM = 64  # the head size prefill_bf16.c is built for
 def load_prefill() -> ctypes.CDLL | None:
     """The bf16 prefill attention kernel, where torch runs AVX-512 kernels on a CPU with bf16 dot
     products (AVX512-BF16); None elsewhere (attention runs in SDPA)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX") or \
-            "avx512_bf16" not in cpu_flags():
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512") or "avx512_bf16" not in cpu_flags():
         return None
     lib = _build("prefill_bf16", FLAGS + ["-march=native"])
     if lib is None:

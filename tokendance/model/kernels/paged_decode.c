@@ -307,6 +307,92 @@ static inline __attribute__((always_inline)) void shared_item(const Context *c, 
     }
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* The same for a bf16 pool and head size 64, in bf16 dot products (vdpbf16ps, 32 products per
+ * instruction, float32 sums), where the CPU has them: each chunk's keys are packed once into tiles
+ * of 16 keys x a pair of dimensions per 32-bit lane, its values into pairs of keys per dimension,
+ * and every reader's rotated queries (rounded to bf16) and weights run against them; the softmax
+ * stays float32. scratch: 2 * num_kv_heads * 64 * CHUNK floats (half of it is used). */
+enum { PAIRS64 = 32, TILES = CHUNK / 16 }; /* to_pairs converts a whole chunk: CHUNK == 64 */
+
+static inline __attribute__((always_inline)) void to_pairs(const float *x, uint32_t *pairs) { /* 64 floats */
+    for (int64_t i = 0; i < 64; i += 32)
+        _mm512_storeu_si512(pairs + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+}
+
+static inline __attribute__((always_inline)) void shared_item_bf16(const Context *c, int64_t group, const float *q,
+                                                                   const Run *run, const Reader *readers,
+                                                                   float *scratch, State *states) {
+    const int64_t num_kv_heads = c->num_kv_heads, num_heads = c->num_heads;
+    uint32_t *restrict kp = (uint32_t *)scratch;                                      /* [Hkv][TILES][32][16] */
+    uint16_t *restrict vp = (uint16_t *)(kp + num_kv_heads * TILES * PAIRS64 * 16); /* [Hkv][CHUNK/2][64][2] */
+    float rotated[MAX_HEADS][MAX_GROUP][MAX_DIM];
+    float scores[MAX_HEADS * MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    uint32_t query[MAX_GROUP][PAIRS64] __attribute__((aligned(64))), weight[MAX_GROUP][CHUNK / 2] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < run->num_readers; r++)
+        for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + r * num_heads + h * group);
+    for (int64_t start = 0; start < run->length; start += CHUNK) {
+        const int64_t n = run->length - start < CHUNK ? run->length - start : CHUNK;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t k = 0; k < CHUNK; k++) {
+                uint32_t *key_lane = kp + h * TILES * PAIRS64 * 16 + (k / 16) * PAIRS64 * 16 + k % 16;
+                uint16_t *value_lane = vp + (h * (CHUNK / 2) + k / 2) * 64 * 2 + k % 2;
+                const int64_t offset = ((run->slot_start + start + k) * num_kv_heads + h) * 64;
+                const uint32_t *key = (const uint32_t *)((const uint16_t *)c->keys + offset);
+                const uint16_t *value = (const uint16_t *)c->values + offset;
+                for (int64_t p = 0; p < PAIRS64; p++) key_lane[p * 16] = k < n ? key[p] : 0;
+                for (int64_t d = 0; d < 64; d++) value_lane[d * 2] = k < n ? value[d] : 0;
+            }
+        }
+        int64_t e = run->first_reader;
+        for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
+            const Reader *reader = &readers[e];
+            State *mine = states + r * num_heads;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                rotate_queries(c, q + (reader->request * num_heads + h * group) * 64, reader->shift, rotated[h]);
+                for (int64_t g = 0; g < group; g++) to_pairs(rotated[h][g], query[g]);
+                const uint32_t *tiles = kp + h * TILES * PAIRS64 * 16;
+                __m512 s[MAX_GROUP][TILES];
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t t = 0; t < TILES; t++) s[g][t] = _mm512_setzero_ps();
+                for (int64_t p = 0; p < PAIRS64; p++) {
+                    __m512bh k[TILES];
+                    for (int64_t t = 0; t < TILES; t++) k[t] = (__m512bh)_mm512_load_si512(tiles + (t * PAIRS64 + p) * 16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)query[g][p]);
+                        for (int64_t t = 0; t < TILES; t++) s[g][t] = _mm512_dpbf16_ps(s[g][t], qp, k[t]);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t t = 0; t < TILES; t++) _mm512_store_ps(scores[h * group + g] + t * 16, s[g][t]);
+            }
+            softmax_chunk(64, num_kv_heads * group, scores, n, mine); /* scores -> weights, states rescaled */
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                State *head_states = mine + h * group;
+                __m512 acc[MAX_GROUP][4];
+                for (int64_t g = 0; g < group; g++) {
+                    for (int64_t k = n; k < CHUNK; k++) scores[h * group + g][k] = 0.0f;
+                    to_pairs(scores[h * group + g], weight[g]);
+                    for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_loadu_ps(head_states[g].acc + j * 16);
+                }
+                const uint16_t *values = vp + h * (CHUNK / 2) * 64 * 2;
+                for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {
+                    __m512bh v[4];
+                    for (int64_t j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (pair * 64 + j * 16) * 2);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)weight[g][pair]);
+                        for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wp, v[j]);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t j = 0; j < 4; j++) _mm512_storeu_ps(head_states[g].acc + j * 16, acc[g][j]);
+            }
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void work_item(
     const Context *c, int64_t dim, int64_t group, int64_t index, const float *q, const int64_t *slots,
     const uint8_t *shared, const int64_t *lengths, int64_t width, int64_t batch, const Run *runs,
@@ -318,6 +404,12 @@ static inline __attribute__((always_inline)) void work_item(
         return;
     }
     const int64_t u = index - batch; /* shared run u */
+#if defined(__AVX512BF16__)
+    if (c->bf16 && dim == 64 && group <= 4) {
+        shared_item_bf16(c, group, q, &runs[u], readers, scratch, partials + offsets[u] * num_heads);
+        return;
+    }
+#endif
     shared_item(c, dim, group, q, &runs[u], readers, scratch, partials + offsets[u] * num_heads);
 }
 
