@@ -461,13 +461,16 @@ def test_clients_that_leave_at_any_stage_never_stop_the_engine(server):
     baseline = server.metrics()
     busy = {"model": server.model, "prompt": " ".join(f"w{i}" for i in range(1500)), "max_tokens": 24,
             "ignore_eos": True}
+    # long enough that none is done when its client leaves, however fast the engine (a declared
+    # agent that finished keeps its session, as it should)
+    long = {"max_tokens": 400, "ignore_eos": True}
     leavers = [
-        ("/v1/chat/completions", {**chat_body(server), "n": 2, "max_tokens": 8, "temperature": 0.7}),
-        ("/v1/chat/completions", {**chat_body(server), "n": 3, "max_tokens": 8, "temperature": 0.7, "stream": True}),
-        ("/v1/completions", {"model": server.model, "prompt": ["a b", "c d"], "n": 2, "max_tokens": 8}),
-        ("/v1/chat/completions", {**chat_body(server), "max_tokens": 8, "round_id": salt(), "round_size": 1,
+        ("/v1/chat/completions", {**chat_body(server), "n": 2, **long, "temperature": 0.7}),
+        ("/v1/chat/completions", {**chat_body(server), "n": 3, **long, "temperature": 0.7, "stream": True}),
+        ("/v1/completions", {"model": server.model, "prompt": ["a b", "c d"], "n": 2, **long}),
+        ("/v1/chat/completions", {**chat_body(server), **long, "round_id": salt(), "round_size": 1,
                                   "agent_id": "leaver"}),
-        ("/v1/rounds", {"model": server.model, "max_tokens": 8, "agents": [
+        ("/v1/rounds", {"model": server.model, **long, "agents": [
             {"agent_id": "x", "messages": villager(0)}, {"agent_id": "y", "messages": villager(1)}]}),
     ]
     with ThreadPoolExecutor(2) as pool:
