@@ -143,11 +143,7 @@ def paged_decode_attention(
         shift_cos.data_ptr(), shift_sin.data_ptr(), max_shift, batch, num_heads, key_cache.shape[1], dim,
         scale, torch.get_num_threads(), out.data_ptr(), stats.data_ptr(),
     )
-    if status == -2:
-        raise MemoryError("paged decode attention could not allocate its work space")
-    if status != 0:
-        raise ValueError(f"paged decode attention does not support {num_heads} heads over {key_cache.shape[1]} "
-                         f"KV heads of dimension {dim}")
+    _check(status, "paged decode attention", num_heads, key_cache.shape[1], dim)
     return out
 
 
@@ -182,9 +178,13 @@ def prefill_attention_bf16(
     status = lib.prefill_attention_bf16(q.data_ptr(), keys.data_ptr(), values.data_ptr(), *pointers, max_shift,
                                         limits.data_ptr(), q.shape[0], num_keys, q.shape[1], keys.shape[1],
                                         q.shape[2], scale, torch.get_num_threads(), out.data_ptr())
-    if status == -2:
-        raise MemoryError("prefill attention could not allocate its work space")
-    if status != 0:
-        raise ValueError(f"prefill attention does not support {q.shape[1]} heads over {keys.shape[1]} KV heads of "
-                         f"dimension {q.shape[2]}")
+    _check(status, "prefill attention", q.shape[1], keys.shape[1], q.shape[2])
     return out
+
+
+def _check(status: int, kernel: str, num_heads: int, num_kv_heads: int, dim: int) -> None:
+    """A kernel's return code as the error it stands for (0: fine)."""
+    if status == -2:
+        raise MemoryError(f"{kernel} could not allocate its work space")
+    if status != 0:
+        raise ValueError(f"{kernel} does not support {num_heads} heads over {num_kv_heads} KV heads of dimension {dim}")
