@@ -27,6 +27,7 @@
 #define MAX_HEADS 16 /* KV heads */
 #define CHUNK 64
 #define MIN_SHARED_RUN 32 /* shorter runs stay in their request's private item */
+#define MAX_RUN (4 * CHUNK) /* longer runs are cut into items of this length, so threads share them */
 
 typedef struct {
     const void *keys, *values;
@@ -83,6 +84,15 @@ static inline float exp_nonpositive(float x) {
     bits += (int32_t)n << 23;
     memcpy(&p, &bits, sizeof p);
     return x <= -87.0f ? 0.0f : p;
+}
+
+/* Makes room for `needed` items of `size` bytes in *array (capacity *capacity); 0 when out of memory. */
+static int grow(void **array, int64_t *capacity, int64_t needed, size_t size) {
+    if (needed <= *capacity) return 1;
+    void *grown = realloc(*array, size * 2 * needed);
+    if (!grown) return 0;
+    *array = grown, *capacity = 2 * needed;
+    return 1;
 }
 
 static inline float bf16_to_float(uint16_t v) {
@@ -393,6 +403,16 @@ static inline __attribute__((always_inline)) void shared_item_bf16(const Context
 }
 #endif
 
+/* The work item at `position` in an order that spreads the shared items (compute-bound: many
+ * readers per key) evenly among the private ones (bound by memory reads), so that the threads
+ * running at any one time tend to do some of each. Items [0, batch) are private, the rest shared. */
+static inline int64_t interleaved(int64_t position, int64_t batch, int64_t num_shared) {
+    const int64_t total = batch + num_shared;
+    /* shared items before `position`, and whether the one at `position` is shared */
+    const int64_t before = position * num_shared / total, through = (position + 1) * num_shared / total;
+    return through > before ? batch + before : position - before;
+}
+
 static inline __attribute__((always_inline)) void work_item(
     const Context *c, int64_t dim, int64_t group, int64_t index, const float *q, const int64_t *slots,
     const uint8_t *shared, const int64_t *lengths, int64_t width, int64_t batch, const Run *runs,
@@ -462,8 +482,9 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     qsort(pieces, num_pieces, sizeof(Piece), compare_pieces);
     int64_t *cuts = malloc(sizeof(int64_t) * (2 * num_pieces + 1));
     int64_t *active = malloc(sizeof(int64_t) * (num_pieces + 1));
-    Run *runs = malloc(sizeof(Run) * (2 * num_pieces + 1));
-    int64_t readers_capacity = 2 * num_pieces + 16, num_readers = 0, num_shared = 0, num_active = 0;
+    int64_t runs_capacity = 2 * num_pieces + 16, readers_capacity = 2 * num_pieces + 16;
+    int64_t num_readers = 0, num_shared = 0, num_active = 0;
+    Run *runs = malloc(sizeof(Run) * runs_capacity);
     Reader *readers = malloc(sizeof(Reader) * readers_capacity);
     if (!cuts || !active || !runs || !readers) {
         free(shared), free(pieces), free(cuts), free(active), free(runs), free(readers);
@@ -482,24 +503,24 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
         for (; next < num_pieces && pieces[next].start <= lo; next++)
             if (pieces[next].end > lo) active[num_active++] = next;
         if (num_active < 2 || hi - lo < MIN_SHARED_RUN) continue;
-        if (num_readers + num_active > readers_capacity) {
-            readers_capacity = 2 * (num_readers + num_active);
-            Reader *grown = realloc(readers, sizeof(Reader) * readers_capacity);
-            if (!grown) {
-                free(shared), free(pieces), free(cuts), free(active), free(runs), free(readers);
-                return -2;
-            }
-            readers = grown;
+        const int64_t items = (hi - lo + MAX_RUN - 1) / MAX_RUN;
+        if (!grow((void **)&readers, &readers_capacity, num_readers + items * num_active, sizeof(Reader)) ||
+            !grow((void **)&runs, &runs_capacity, num_shared + items, sizeof(Run))) {
+            free(shared), free(pieces), free(cuts), free(active), free(runs), free(readers);
+            return -2;
         }
-        Run *run = &runs[num_shared++];
-        *run = (Run){lo, hi - lo, -1, 0};
-        for (int64_t a = 0; a < num_active; a++) {
-            const Piece *piece = &pieces[active[a]];
-            const int64_t column = piece->column + (lo - piece->start);
-            readers[num_readers] = (Reader){piece->request, column, piece->shift, run->first_reader};
-            run->first_reader = num_readers++;
-            run->num_readers++;
-            memset(shared + piece->request * width + column, 1, hi - lo);
+        for (int64_t from = lo; from < hi; from += MAX_RUN) {
+            const int64_t to = hi - from < MAX_RUN ? hi : from + MAX_RUN;
+            Run *run = &runs[num_shared++];
+            *run = (Run){from, to - from, -1, 0};
+            for (int64_t a = 0; a < num_active; a++) {
+                const Piece *piece = &pieces[active[a]];
+                const int64_t column = piece->column + (from - piece->start);
+                readers[num_readers] = (Reader){piece->request, column, piece->shift, run->first_reader};
+                run->first_reader = num_readers++;
+                run->num_readers++;
+                memset(shared + piece->request * width + column, 1, to - from);
+            }
         }
     }
     const int64_t num_shared_readers = num_readers;
@@ -519,7 +540,8 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     /* 2. Every work item, in parallel: private items (request, head), shared items (run, head). */
     const int64_t num_items = batch + num_shared;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int64_t item = 0; item < num_items; item++) {
+    for (int64_t position = 0; position < num_items; position++) {
+        const int64_t item = interleaved(position, batch, num_shared);
         float *mine = scratch + omp_get_thread_num() * scratch_floats;
         if (dim == 64 && group == 3) /* SmolLM2's shape, with the sizes known to the compiler */
             work_item(&c, 64, 3, item, q, slots, shared, lengths, width, batch, runs, readers, offsets, mine, partials);
