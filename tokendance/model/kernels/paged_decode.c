@@ -320,84 +320,131 @@ static inline __attribute__((always_inline)) void shared_item(const Context *c, 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 /* The same for a bf16 pool and head size 64, in bf16 dot products (vdpbf16ps, 32 products per
- * instruction, float32 sums), where the CPU has them: each chunk's keys are packed once into tiles
- * of 16 keys x a pair of dimensions per 32-bit lane, its values into pairs of keys per dimension,
- * and every reader's rotated queries (rounded to bf16) and weights run against them; the softmax
- * stays float32. scratch: 2 * num_kv_heads * 64 * CHUNK floats (half of it is used). */
-enum { PAIRS64 = 32, TILES = CHUNK / 16 }; /* to_pairs converts a whole chunk: CHUNK == 64 */
+ * instruction, float32 sums), where the CPU has them. The run's keys are packed once into tiles of
+ * 16 keys x a pair of dimensions per 32-bit lane, its values into pairs of keys per dimension; then
+ * each reader in turn, head by head, runs its rotated queries (rounded to bf16) against every chunk
+ * with its softmax state in registers (float32). scratch: num_kv_heads * 64 * MAX_RUN floats. */
+enum { PAIRS64 = 32, TILES = CHUNK / 16 };
 
 static inline __attribute__((always_inline)) void to_pairs(const float *x, uint32_t *pairs) { /* 64 floats */
     for (int64_t i = 0; i < 64; i += 32)
         _mm512_storeu_si512(pairs + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
 }
 
+/* exp_nonpositive on 16 lanes */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), _mm512_castsi512_ps(bits));
+}
+
+/* Keys [start, start + n) of the run, packed: keys into kp ([Hkv][n/16 tiles][32][16]), values
+ * into vp ([Hkv][n/2][64][2]), zero past n up to a multiple of 16. */
+static inline __attribute__((always_inline)) void pack_run(const Context *c, int64_t slot_start, int64_t n,
+                                                           uint32_t *restrict kp, uint16_t *restrict vp) {
+    const int64_t num_kv_heads = c->num_kv_heads, width = (n + 15) & ~(int64_t)15;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t k = 0; k < width; k++) {
+            uint32_t *key_lane = kp + (h * (MAX_RUN / 16) + k / 16) * PAIRS64 * 16 + k % 16;
+            uint16_t *value_lane = vp + (h * (MAX_RUN / 2) + k / 2) * 64 * 2 + k % 2;
+            const int64_t offset = ((slot_start + k) * num_kv_heads + h) * 64;
+            const uint32_t *key = (const uint32_t *)((const uint16_t *)c->keys + offset);
+            const uint16_t *value = (const uint16_t *)c->values + offset;
+            for (int64_t p = 0; p < PAIRS64; p++) key_lane[p * 16] = k < n ? key[p] : 0;
+            for (int64_t d = 0; d < 64; d++) value_lane[d * 2] = k < n ? value[d] : 0;
+        }
+    }
+}
+
+/* One reader's query group of one KV head (query pairs [group][32]) against the packed keys and
+ * values of a run of n keys, chunk by chunk, folded into `states` ([group]). */
+static inline __attribute__((always_inline)) void read_run_bf16(int64_t group, const uint32_t query[][PAIRS64],
+                                                                const uint32_t *tiles, const uint16_t *values,
+                                                                int64_t n, State *states) {
+    __m512 acc[MAX_GROUP][4], max[MAX_GROUP], sum[MAX_GROUP];
+    uint32_t weight[MAX_GROUP][CHUNK / 2] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        max[g] = _mm512_set1_ps(-INFINITY), sum[g] = _mm512_setzero_ps();
+    }
+    for (int64_t start = 0; start < n; start += CHUNK) {
+        const int64_t m = n - start < CHUNK ? n - start : CHUNK, num_tiles = (m + 15) / 16;
+        const uint32_t *chunk = tiles + (start / 16) * PAIRS64 * 16;
+        __m512 s[MAX_GROUP][TILES];
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t t = 0; t < TILES; t++) s[g][t] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < PAIRS64; p++) {
+            __m512bh k[TILES];
+            for (int64_t t = 0; t < num_tiles; t++) k[t] = (__m512bh)_mm512_load_si512(chunk + (t * PAIRS64 + p) * 16);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)query[g][p]);
+                for (int64_t t = 0; t < num_tiles; t++) s[g][t] = _mm512_dpbf16_ps(s[g][t], qp, k[t]);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            __m512 chunk_max = max[g];
+            for (int64_t t = 0; t < num_tiles; t++) {
+                const int64_t left = m - 16 * t;
+                if (left < 16) s[g][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << left) - 1), s[g][t]);
+                chunk_max = _mm512_max_ps(chunk_max, s[g][t]);
+            }
+            chunk_max = _mm512_set1_ps(_mm512_reduce_max_ps(chunk_max));
+            const __m512 correction = exp512(_mm512_sub_ps(max[g], chunk_max));
+            max[g] = chunk_max;
+            __m512 chunk_sum = _mm512_setzero_ps(), w[TILES];
+            for (int64_t t = 0; t < TILES; t++) {
+                w[t] = t < num_tiles ? exp512(_mm512_sub_ps(s[g][t], chunk_max)) : _mm512_setzero_ps();
+                chunk_sum = _mm512_add_ps(chunk_sum, w[t]);
+            }
+            sum[g] = _mm512_fmadd_ps(sum[g], correction, chunk_sum);
+            for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], correction);
+            for (int64_t t = 0; t < TILES; t += 2)
+                _mm512_store_si512(weight[g] + t * 8, (__m512i)_mm512_cvtne2ps_pbh(w[t + 1], w[t]));
+        }
+        const uint16_t *chunk_values = values + (start / 2) * 64 * 2;
+        for (int64_t pair = 0; pair < (m + 1) / 2; pair++) {
+            __m512bh v[4];
+            for (int64_t j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(chunk_values + (pair * 64 + j * 16) * 2);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)weight[g][pair]);
+                for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wp, v[j]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        states[g].max = _mm512_cvtss_f32(max[g]);
+        states[g].sum = _mm512_reduce_add_ps(sum[g]);
+        for (int64_t j = 0; j < 4; j++) _mm512_storeu_ps(states[g].acc + j * 16, acc[g][j]);
+    }
+}
+
 static inline __attribute__((always_inline)) void shared_item_bf16(const Context *c, int64_t group, const float *q,
                                                                    const Run *run, const Reader *readers,
                                                                    float *scratch, State *states) {
     const int64_t num_kv_heads = c->num_kv_heads, num_heads = c->num_heads;
-    uint32_t *restrict kp = (uint32_t *)scratch;                                      /* [Hkv][TILES][32][16] */
-    uint16_t *restrict vp = (uint16_t *)(kp + num_kv_heads * TILES * PAIRS64 * 16); /* [Hkv][CHUNK/2][64][2] */
-    float rotated[MAX_HEADS][MAX_GROUP][MAX_DIM];
-    float scores[MAX_HEADS * MAX_GROUP][CHUNK] __attribute__((aligned(64)));
-    uint32_t query[MAX_GROUP][PAIRS64] __attribute__((aligned(64))), weight[MAX_GROUP][CHUNK / 2] __attribute__((aligned(64)));
-    for (int64_t r = 0; r < run->num_readers; r++)
-        for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + r * num_heads + h * group);
-    for (int64_t start = 0; start < run->length; start += CHUNK) {
-        const int64_t n = run->length - start < CHUNK ? run->length - start : CHUNK;
+    uint32_t *restrict kp = (uint32_t *)scratch;                                     /* [Hkv][MAX_RUN/16][32][16] */
+    uint16_t *restrict vp = (uint16_t *)(kp + num_kv_heads * (MAX_RUN / 16) * PAIRS64 * 16); /* [Hkv][MAX_RUN/2][64][2] */
+    float rotated[MAX_GROUP][MAX_DIM];
+    uint32_t query[MAX_GROUP][PAIRS64] __attribute__((aligned(64)));
+    pack_run(c, run->slot_start, run->length, kp, vp);
+    int64_t e = run->first_reader;
+    for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
+        const Reader *reader = &readers[e];
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            for (int64_t k = 0; k < CHUNK; k++) {
-                uint32_t *key_lane = kp + h * TILES * PAIRS64 * 16 + (k / 16) * PAIRS64 * 16 + k % 16;
-                uint16_t *value_lane = vp + (h * (CHUNK / 2) + k / 2) * 64 * 2 + k % 2;
-                const int64_t offset = ((run->slot_start + start + k) * num_kv_heads + h) * 64;
-                const uint32_t *key = (const uint32_t *)((const uint16_t *)c->keys + offset);
-                const uint16_t *value = (const uint16_t *)c->values + offset;
-                for (int64_t p = 0; p < PAIRS64; p++) key_lane[p * 16] = k < n ? key[p] : 0;
-                for (int64_t d = 0; d < 64; d++) value_lane[d * 2] = k < n ? value[d] : 0;
-            }
-        }
-        int64_t e = run->first_reader;
-        for (int64_t r = 0; r < run->num_readers; r++, e = readers[e].next) {
-            const Reader *reader = &readers[e];
-            State *mine = states + r * num_heads;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                rotate_queries(c, q + (reader->request * num_heads + h * group) * 64, reader->shift, rotated[h]);
-                for (int64_t g = 0; g < group; g++) to_pairs(rotated[h][g], query[g]);
-                const uint32_t *tiles = kp + h * TILES * PAIRS64 * 16;
-                __m512 s[MAX_GROUP][TILES];
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t t = 0; t < TILES; t++) s[g][t] = _mm512_setzero_ps();
-                for (int64_t p = 0; p < PAIRS64; p++) {
-                    __m512bh k[TILES];
-                    for (int64_t t = 0; t < TILES; t++) k[t] = (__m512bh)_mm512_load_si512(tiles + (t * PAIRS64 + p) * 16);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)query[g][p]);
-                        for (int64_t t = 0; t < TILES; t++) s[g][t] = _mm512_dpbf16_ps(s[g][t], qp, k[t]);
-                    }
-                }
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t t = 0; t < TILES; t++) _mm512_store_ps(scores[h * group + g] + t * 16, s[g][t]);
-            }
-            softmax_chunk(64, num_kv_heads * group, scores, n, mine); /* scores -> weights, states rescaled */
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                State *head_states = mine + h * group;
-                __m512 acc[MAX_GROUP][4];
-                for (int64_t g = 0; g < group; g++) {
-                    for (int64_t k = n; k < CHUNK; k++) scores[h * group + g][k] = 0.0f;
-                    to_pairs(scores[h * group + g], weight[g]);
-                    for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_loadu_ps(head_states[g].acc + j * 16);
-                }
-                const uint16_t *values = vp + h * (CHUNK / 2) * 64 * 2;
-                for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {
-                    __m512bh v[4];
-                    for (int64_t j = 0; j < 4; j++) v[j] = (__m512bh)_mm512_load_si512(values + (pair * 64 + j * 16) * 2);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)weight[g][pair]);
-                        for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wp, v[j]);
-                    }
-                }
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t j = 0; j < 4; j++) _mm512_storeu_ps(head_states[g].acc + j * 16, acc[g][j]);
-            }
+            rotate_queries(c, q + (reader->request * num_heads + h * group) * 64, reader->shift, rotated);
+            for (int64_t g = 0; g < group; g++) to_pairs(rotated[g], query[g]);
+            read_run_bf16(group, query, kp + h * (MAX_RUN / 16) * PAIRS64 * 16, vp + h * (MAX_RUN / 2) * 64 * 2,
+                          run->length, states + r * num_heads + h * group);
         }
     }
 }
@@ -528,7 +575,7 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     /* partial states: batch private ones, then one per (shared run, reader), each [heads][group] */
     int64_t *offsets = malloc(sizeof(int64_t) * (num_shared + 1));
     State *partials = malloc(sizeof(State) * (batch + num_shared_readers) * num_heads);
-    const int64_t scratch_floats = 2 * num_kv_heads * dim * CHUNK; /* per thread, for shared runs */
+    const int64_t scratch_floats = num_kv_heads * dim * MAX_RUN; /* per thread, for shared runs (>= 2 chunks) */
     float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats * num_threads);
     if (!offsets || !partials || !scratch) {
         free(runs), free(readers), free(shared), free(offsets), free(partials), free(scratch);
