@@ -139,6 +139,8 @@ class LlamaModel:
             if on_cpu else None,
         )
         self.decode_reads = DecodeReads()
+        self.pointwise = Pointwise(kernels.load_pointwise() if on_cpu and dtype in kernels.POINTWISE_DTYPES else None,
+                                   self.cos, self.sin, self.dtype)
 
     def forward(
         self,
@@ -150,30 +152,27 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden]
         """Run the first `num_layers` layers (all by default) and the final norm."""
         c = self.config
-        cos = self.cos[positions].to(self.dtype)  # [T, 1, D]
-        sin = self.sin[positions].to(self.dtype)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        pointwise = self.pointwise.bind(positions)
+        hidden, delta = F.embedding(input_ids, self.embed_tokens), None
         reads = self.decode_reads if meta.decode is not None else None
         if reads is not None:
             reads.steps += 1
         num_qk = (c.num_heads + c.num_kv_heads) * c.head_dim
         for layer_index, layer in enumerate(self.layers[:num_layers]):
-            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qk, v = self.linear(x, layer.qkv).split([num_qk, c.num_kv_heads * c.head_dim], dim=-1)
+            hidden, x = pointwise.add_rms_norm(hidden, delta, layer.input_norm, c.rms_norm_eps)
+            qkv = self.linear(x, layer.qkv)
             # q and k rotated in one pass: [T, Hq + Hkv, D]
-            qk = apply_rope(qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = pointwise.rope(qkv[:, :num_qk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim))
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, num_qk:].view(-1, c.num_kv_heads, c.head_dim)
             key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.attention, kv_cache.positions, reads,
                                    self.batch_invariant)  # [T, Hq * D]
-            hidden = hidden + self.linear(attn, layer.out)
-            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + self.linear(F.silu(gate) * up, layer.down)
-        return rms_norm(hidden, self.norm, c.rms_norm_eps)
+            hidden, x = pointwise.add_rms_norm(hidden, self.linear(attn, layer.out), layer.post_norm, c.rms_norm_eps)
+            delta = self.linear(pointwise.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+        return pointwise.add_rms_norm(hidden, delta, self.norm, c.rms_norm_eps)[1]
 
     def key_rotation(self, shift: torch.Tensor) -> KeyRotation:
         """Rotation tables for keys read `shift` positions after where they were stored."""
@@ -182,6 +181,41 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         return self.linear(hidden, self.lm_head)
+
+
+class Pointwise:
+    """A layer's element-wise steps: fused C kernels (kernels/pointwise.c) where they load, eager
+    torch ops elsewhere. `bind(positions)` gives the steps for one forward pass."""
+
+    def __init__(self, lib, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+        self.lib, self.cos, self.sin, self.dtype = lib, cos, sin, dtype
+
+    def bind(self, positions: torch.Tensor) -> "Pointwise":
+        bound = Pointwise(self.lib, self.cos, self.sin, self.dtype)
+        if self.lib is None:  # eager RoPE takes the tables' rows for these positions, once per pass
+            bound.cos, bound.sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)
+        bound.positions = positions.to(torch.int64).contiguous()
+        return bound
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, RMSNorm of it): the residual stream and the next sublayer's input."""
+        if self.lib is not None:
+            return hidden, kernels.add_rms_norm(self.lib, hidden, delta, weight, eps)
+        hidden = hidden if delta is None else hidden + delta
+        return hidden, rms_norm(hidden, weight, eps)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> rotated [T, H, D] (in place with the kernel)
+        if self.lib is not None:
+            kernels.rope(self.lib, x, self.positions, self.cos, self.sin)
+            return x
+        return apply_rope(x, self.cos, self.sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            return kernels.silu_mul(self.lib, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2] float32

@@ -3,9 +3,10 @@ compiler (`gcc -O3 -march=native -fopenmp`; AVX2 where torch runs AVX2 kernels) 
 per-machine cache and called through ctypes.
 Where no compiler is found or the build fails, `load()` returns None and callers use eager ops.
 
-Two kernels: paged decode attention (paged_decode.c, any x86-64), and prefill attention in bf16
-dot products (prefill_bf16.c, built only where the CPU has AVX512-BF16). Both are on by default;
-`TOKENDANCE_KERNELS=0` turns them off (eager gather + SDPA). benchmarks/decode.py and
+Three kernels: paged decode attention (paged_decode.c, any x86-64), prefill attention in bf16
+dot products (prefill_bf16.c, built only where the CPU has AVX512-BF16), and a layer's element-wise
+steps fused (pointwise.c: residual add + RMSNorm, RoPE, SiLU * up). All are on by default;
+`TOKENDANCE_KERNELS=0` turns them off (eager gather + SDPA, eager element-wise ops). benchmarks/decode.py and
 benchmarks/prefill_kernel.py measure each against SDPA side by side.
 `TOKENDANCE_CACHE` moves the build cache (default ~/.cache/tokendance).
 """
@@ -106,6 +107,56 @@ def load_prefill() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
         [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
+
+
+@functools.cache
+def load_pointwise() -> ctypes.CDLL | None:
+    """The element-wise steps of a layer fused (pointwise.c): residual add + RMSNorm, RoPE, SiLU * up."""
+    lib = _build("pointwise", FLAGS + arch_flags())
+    if lib is None:
+        return None
+    lib.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rope.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + \
+        [ctypes.c_int, ctypes.c_int]
+    lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int]
+    for fn in (lib.add_rms_norm, lib.rope, lib.silu_mul):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+POINTWISE_DTYPES = (torch.bfloat16, torch.float32)  # what pointwise.c reads and writes
+
+
+def add_rms_norm(lib: ctypes.CDLL, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """hidden += delta in place (rows [T, H] contiguous, one dtype), and returns RMSNorm(hidden) * weight."""
+    assert hidden.is_contiguous() and (delta is None or delta.dtype == hidden.dtype)
+    out = torch.empty_like(hidden)
+    delta = None if delta is None else delta.contiguous()
+    lib.add_rms_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), hidden.shape[0], hidden.shape[1], eps, hidden.dtype == torch.bfloat16,
+                     torch.get_num_threads())
+    return out
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x [T, H, D] (heads and dimensions contiguous, any token stride) in place for
+    positions [T] int64, with tables cos/sin [max_len, 1, D] float32."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == dim and cos.dtype == torch.float32, "heads and dimensions contiguous"
+    status = lib.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+                      dim, x.dtype == torch.bfloat16, torch.get_num_threads())
+    _check(status, "rope", heads, heads, dim)
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, for gate_up [T, 2 I] contiguous (gate then up in each row): [T, I]."""
+    tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty((tokens, width), dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width, gate_up.dtype == torch.bfloat16,
+                 torch.get_num_threads())
+    return out
 
 
 MAX_KV_HEADS, MAX_GROUP, MAX_DIM = 16, 16, 256  # as paged_decode.c is compiled
