@@ -28,6 +28,7 @@ llm = LLM(dtype="float32")
 (out,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))
 print("module", tokendance.__file__)
 print("kernel", llm.engine.runner.model.attention.decode is not None)
+print("pointwise", llm.engine.runner.model.pointwise.lib is not None)
 print("text", repr(out.text))
 print("prefill", LLM(dtype="auto").engine.runner.model.attention.prefill is not None)
 """
@@ -46,7 +47,8 @@ def installed(tmp_path_factory, model_weights) -> Path:
                     str(root / "dist"), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (root / "dist").glob("tokendance-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"tokendance/model/kernels/paged_decode.c", "tokendance/model/kernels/prefill_bf16.c"} <= set(names)
+    kernels = {f"tokendance/model/kernels/{name}.c" for name in ("paged_decode", "prefill_bf16", "pointwise")}
+    assert kernels <= set(names)
     venv.create(root / "env", with_pip=False)
     python = root / "env" / "bin" / "python"
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
@@ -63,11 +65,11 @@ def test_the_installed_wheel_runs(installed, tmp_path, compiler):
     done = subprocess.run([installed, "-c", RUN], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("module", "kernel", "text", "prefill"))
+                 ("module", "kernel", "pointwise", "text", "prefill"))
     assert str(installed.parent.parent) in lines["module"]  # the wheel's copy, not the repository's
     assert ast.literal_eval(lines["text"]).strip()
     has_gcc = subprocess.run(["which", "gcc"], capture_output=True).returncode == 0
-    assert lines["kernel"] == str(compiler == "gcc" and has_gcc)
+    assert lines["kernel"] == lines["pointwise"] == str(compiler == "gcc" and has_gcc)
     bf16_dot_products = "avx512_bf16" in cpu_flags() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert lines["prefill"] == str(compiler == "gcc" and has_gcc and bf16_dot_products)  # auto: bf16 there
     if compiler != "gcc":

@@ -103,7 +103,7 @@ def test_kernel_prefill_equals_sdpa_prefill_in_rounds(make_llm, prefill_kernel, 
     """Round 1 prefills causally; round 2 runs chunks over sessions and the prefix cache, and
     recomputes tokens over masters read at other positions. The kernel's first-token logits are as
     close to float32's as SDPA's in bf16 are (mean over the agents of the largest difference), and
-    the outputs the same but for near ties."""
+    the outputs the same as float32's about as often."""
     fast = make_llm(dtype="bfloat16", reuse=mode, recompute_ratio=0.3)
     assert fast.engine.runner.model.attention.prefill is not None
     slow = make_llm(dtype="bfloat16", reuse=mode, recompute_ratio=0.3)
@@ -111,8 +111,10 @@ def test_kernel_prefill_equals_sdpa_prefill_in_rounds(make_llm, prefill_kernel, 
     exact = make_llm(dtype="float32", reuse=mode, recompute_ratio=0.3)
     for rounds in (1, 2):
         got, want, truth = (llm.run_round(round_turns(rounds), PARAMS).outputs for llm in (fast, slow, exact))
-        agree = sum(a.token_ids == b.token_ids for a, b in zip(got, want))
-        assert agree >= len(got) - 1  # bf16: one output may take another path after a near tie
+        # bf16 outputs take another path than float32's after a near tie; the kernel's as often as SDPA's
+        ours_agree = sum(a.token_ids == b.token_ids for a, b in zip(got, truth))
+        sdpa_agree = sum(a.token_ids == b.token_ids for a, b in zip(want, truth))
+        assert ours_agree >= sdpa_agree - 1
         # over the agents: one agent's bf16 error swings 2x with rounding elsewhere in the layer
         ours_error = sum((o.logits[0].float() - r.logits[0]).abs().max().item() for o, r in zip(got, truth)) / len(got)
         sdpa_error = sum((s.logits[0].float() - r.logits[0]).abs().max().item() for s, r in zip(want, truth)) / len(got)

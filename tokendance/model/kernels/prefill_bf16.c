@@ -6,7 +6,7 @@
  *
  * Scores and the weighted sum of values are computed with vdpbf16ps: 32 bf16 products summed
  * into 16 float32 lanes per instruction, twice the float32 FMA rate, and no bf16 -> float32
- * conversion of keys or values. The softmax is float32 (online, per block of 32 keys); the
+ * conversion of keys or values. The softmax is float32 (online, per block of 64 keys); the
  * probabilities are rounded to bf16 for the value product, as PyTorch's bf16 flash kernel does.
  *
  * Keys and values are read from the KV pool through the request's slots; a key stored for another
@@ -30,7 +30,8 @@
 #define DIM 64          /* head dimension this kernel is built for */
 #define PAIRS (DIM / 2) /* dimension pairs */
 #define ROWS 6          /* query rows per work item */
-#define BLOCK 32        /* keys per softmax block: two tiles of 16 */
+#define BLOCK 64        /* keys per softmax block */
+#define TILES (BLOCK / 16)
 
 /* exp(x) for x <= 0 (larger x is clamped to 0), float32, ~1e-7 relative error. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -141,38 +142,48 @@ static void item(const uint16_t *q, const uint32_t *packed_keys, const uint16_t 
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     uint32_t probability_pairs[ROWS][BLOCK / 2] __attribute__((aligned(64)));
     for (int64_t start = 0; start < most; start += BLOCK) {
-        const uint32_t *k0 = keys + (start / 16) * PAIRS * 16, *k1 = k0 + PAIRS * 16;
-        __m512 s[ROWS][2];
-        for (int64_t r = 0; r < ROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        const uint32_t *k0 = keys + (start / 16) * PAIRS * 16;
+        __m512 s[ROWS][TILES];
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t t = 0; t < TILES; t++) s[r][t] = _mm512_setzero_ps();
         for (int64_t p = 0; p < PAIRS; p++) {
-            const __m512bh a = (__m512bh)_mm512_load_si512(k0 + p * 16), b = (__m512bh)_mm512_load_si512(k1 + p * 16);
+            __m512bh k[TILES];
+            for (int64_t t = 0; t < TILES; t++) k[t] = (__m512bh)_mm512_load_si512(k0 + (t * PAIRS + p) * 16);
             for (int64_t r = 0; r < ROWS; r++) {
                 const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)query[r][p]);
-                s[r][0] = _mm512_dpbf16_ps(s[r][0], qp, a);
-                s[r][1] = _mm512_dpbf16_ps(s[r][1], qp, b);
+                for (int64_t t = 0; t < TILES; t++) s[r][t] = _mm512_dpbf16_ps(s[r][t], qp, k[t]);
             }
         }
         for (int64_t r = 0; r < ROWS; r++) {
-            __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale)), x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
-            __mmask16 valid0 = 0xFFFF, valid1 = 0xFFFF;
-            if (start + BLOCK > least) { /* some keys of this block are past some rows' limits */
-                const __m512i bound = _mm512_set1_epi32((int)(limit[r] - start));
-                valid0 = _mm512_cmplt_epi32_mask(lane, bound);
-                valid1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), bound);
-                x0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid0, x0);
-                x1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid1, x1);
+            __mmask16 valid[TILES];
+            __m512 block_max = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < TILES; t++) {
+                valid[t] = 0xFFFF;
+                if (start + BLOCK > least) { /* some keys of this block are past some rows' limits */
+                    const __m512i bound = _mm512_set1_epi32((int)(limit[r] - start - 16 * t));
+                    valid[t] = _mm512_cmplt_epi32_mask(lane, bound);
+                    s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[t], s[r][t]);
+                }
+                block_max = _mm512_max_ps(block_max, s[r][t]);
             }
-            const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-            const float new_max = block_max > m[r] ? block_max : m[r];
-            const float alpha = new_max == -INFINITY ? 0.0f : expf(m[r] - new_max);
-            const __m512 shift = _mm512_set1_ps(new_max == -INFINITY ? 0.0f : new_max);
-            const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp_nonpositive(_mm512_sub_ps(x0, shift)));
-            const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp_nonpositive(_mm512_sub_ps(x1, shift)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = new_max;
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t j = 0; j < DIM / 16; j++) acc[r][j] = _mm512_mul_ps(acc[r][j], a);
-            _mm512_store_si512(probability_pairs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            /* scores are unscaled here: the scale is applied inside the exponent */
+            const float top = _mm512_reduce_max_ps(block_max) * scale;
+            if (top > m[r]) { /* a new max: rescale what was summed so far (most blocks keep it) */
+                const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - top);
+                l[r] *= alpha;
+                const __m512 a = _mm512_set1_ps(alpha);
+                for (int64_t j = 0; j < DIM / 16; j++) acc[r][j] = _mm512_mul_ps(acc[r][j], a);
+                m[r] = top;
+            }
+            const __m512 shift = _mm512_set1_ps(m[r] == -INFINITY ? 0.0f : m[r]), scaled = _mm512_set1_ps(scale);
+            __m512 p[TILES], total = _mm512_setzero_ps();
+            for (int64_t t = 0; t < TILES; t++) {
+                p[t] = _mm512_maskz_mov_ps(valid[t], exp_nonpositive(_mm512_fmsub_ps(s[r][t], scaled, shift)));
+                total = _mm512_add_ps(total, p[t]);
+            }
+            l[r] += _mm512_reduce_add_ps(total);
+            for (int64_t t = 0; t < TILES; t += 2)
+                _mm512_store_si512(probability_pairs[r] + t * 8, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
         }
         const uint16_t *v = values + start * DIM;
         for (int64_t pair = 0; pair < BLOCK / 2; pair++) {
