@@ -1,5 +1,5 @@
 """What the test modules share: a real `tokendance serve` process and raw-HTTP streaming, the
-village rounds of agents, the reference tolerance and prompts."""
+village rounds of agents, the reference tolerance and prompts, the kernel fixtures."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import uuid
 
 import openai
+import pytest
 
 from tokendance import AgentTurn
 from tokendance.model.platform import probe_cpu
@@ -175,3 +176,15 @@ def history(agent: str, index: int, rounds: int, persona_words=None) -> list[dic
 
 def round_turns(rounds: int, agents=AGENTS, namespace="") -> list[AgentTurn]:
     return [AgentTurn(a, history(a, AGENTS.index(a), rounds), namespace=namespace) for a in agents]
+
+
+def built_kernel(monkeypatch, loader, missing: str):
+    """For a fixture: the library `loader` builds with the kernels on (built anew, not a cached
+    None), or the test skipped with `missing`."""
+    monkeypatch.setenv("TOKENDANCE_KERNELS", "1")
+    loader.cache_clear()
+    lib = loader()
+    if lib is None:
+        pytest.skip(missing)
+    yield lib
+    loader.cache_clear()

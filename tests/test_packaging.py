@@ -47,7 +47,8 @@ def installed(tmp_path_factory, model_weights) -> Path:
                     str(root / "dist"), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = (root / "dist").glob("tokendance-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    kernels = {f"tokendance/model/kernels/{name}.c" for name in ("paged_decode", "prefill_bf16", "pointwise")}
+    kernels = {f"tokendance/model/kernels/{name}" for name in ("paged_decode.c", "prefill_bf16.c", "pointwise.c",
+                                                                "kernel_math.h")}
     assert kernels <= set(names)
     venv.create(root / "env", with_pip=False)
     python = root / "env" / "bin" / "python"

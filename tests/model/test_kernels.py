@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import LOGIT_ATOL, round_turns
+from tests.helpers import LOGIT_ATOL, built_kernel, round_turns
 from tokendance import SamplingParams
 from tokendance.model import kernels
 from tokendance.model.attention import rotate_pairs
@@ -19,12 +19,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=True)  # eve
 
 @pytest.fixture
 def kernel_enabled(monkeypatch):
-    monkeypatch.setenv("TOKENDANCE_KERNELS", "1")
-    kernels.load.cache_clear()
-    if kernels.load() is None:
-        pytest.skip("the paged decode kernel could not be built here (no C compiler?)")
-    yield
-    kernels.load.cache_clear()
+    yield from built_kernel(monkeypatch, kernels.load, "the paged decode kernel could not be built here (no C compiler?)")
 
 
 @pytest.mark.parametrize("mode", ["prefix", "tokendance"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import round_turns
+from tests.helpers import built_kernel, round_turns
 from tokendance import SamplingParams
 from tokendance.config import ModelConfig
 from tokendance.model import kernels
@@ -19,13 +19,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, return_logits=True)
 
 @pytest.fixture
 def lib(monkeypatch):
-    monkeypatch.setenv("TOKENDANCE_KERNELS", "1")
-    kernels.load_pointwise.cache_clear()
-    built = kernels.load_pointwise()
-    if built is None:
-        pytest.skip("the element-wise kernels could not be built here (no C compiler?)")
-    yield built
-    kernels.load_pointwise.cache_clear()
+    yield from built_kernel(monkeypatch, kernels.load_pointwise, "the element-wise kernels could not be built here")
 
 
 def one_ulp(dtype: torch.dtype, magnitude: float) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import round_turns
+from tests.helpers import built_kernel, round_turns
 from tokendance import SamplingParams
 from tokendance.model import kernels
 
@@ -18,13 +18,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, return_logits=True)
 
 @pytest.fixture
 def prefill_kernel(monkeypatch):
-    monkeypatch.setenv("TOKENDANCE_KERNELS", "1")
-    kernels.load_prefill.cache_clear()
-    lib = kernels.load_prefill()
-    if lib is None:
-        pytest.skip("the bf16 prefill kernel needs AVX512-BF16 and a C compiler")
-    yield lib
-    kernels.load_prefill.cache_clear()
+    yield from built_kernel(monkeypatch, kernels.load_prefill, "the bf16 prefill kernel needs AVX512-BF16 and a C compiler")
 
 
 def reference(q, k, v, limits):

@@ -59,7 +59,8 @@ def _build(stem: str, flags: list[str]) -> ctypes.CDLL | None:
         return None
     source_path = SOURCE.with_name(f"{stem}.c")
     try:
-        source = source_path.read_bytes()  # an installation without the source falls back like a failed build
+        # an installation without the sources falls back like a failed build; the headers they include are in the key
+        source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h")))
         # -march=native: the binary is only valid on this kind of CPU, so the CPU is in the key
         key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
         library = cache_dir() / f"{stem}-{key}.so"

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_HEADS 16 /* KV heads */
@@ -65,27 +67,6 @@ static int compare_int64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* exp(x) for x <= 0 as 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5]: relative
- * error ~2e-7 (float32 rounding level), and unlike libm's expf it vectorizes. exp(-inf) = 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f; /* log2(e) */
-    const float n = __builtin_rintf(t); /* vectorizes (roundf does not) */
-    const float f = t - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return x <= -87.0f ? 0.0f : p;
-}
-
 /* Makes room for `needed` items of `size` bytes in *array (capacity *capacity); 0 when out of memory. */
 static int grow(void **array, int64_t *capacity, int64_t needed, size_t size) {
     if (needed <= *capacity) return 1;
@@ -93,13 +74,6 @@ static int grow(void **array, int64_t *capacity, int64_t needed, size_t size) {
     if (!grown) return 0;
     *array = grown, *capacity = 2 * needed;
     return 1;
-}
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* Row `slot` of one KV head as float32: a pointer into the pool (float32) or a converted copy. */
@@ -331,23 +305,6 @@ static inline __attribute__((always_inline)) void to_pairs(const float *x, uint3
         _mm512_storeu_si512(pairs + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
 }
 
-/* exp_nonpositive on 16 lanes */
-static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), _mm512_castsi512_ps(bits));
-}
-
 /* Keys [start, start + n) of the run, packed: keys into kp ([Hkv][n/16 tiles][32][16]), values
  * into vp ([Hkv][n/2][64][2]), zero past n up to a multiple of 16. */
 static inline __attribute__((always_inline)) void pack_run(const Context *c, int64_t slot_start, int64_t n,
@@ -399,11 +356,11 @@ static inline __attribute__((always_inline)) void read_run_bf16(int64_t group, c
                 chunk_max = _mm512_max_ps(chunk_max, s[g][t]);
             }
             chunk_max = _mm512_set1_ps(_mm512_reduce_max_ps(chunk_max));
-            const __m512 correction = exp512(_mm512_sub_ps(max[g], chunk_max));
+            const __m512 correction = exp512_nonpositive(_mm512_sub_ps(max[g], chunk_max));
             max[g] = chunk_max;
             __m512 chunk_sum = _mm512_setzero_ps(), w[TILES];
             for (int64_t t = 0; t < TILES; t++) {
-                w[t] = t < num_tiles ? exp512(_mm512_sub_ps(s[g][t], chunk_max)) : _mm512_setzero_ps();
+                w[t] = t < num_tiles ? exp512_nonpositive(_mm512_sub_ps(s[g][t], chunk_max)) : _mm512_setzero_ps();
                 chunk_sum = _mm512_add_ps(chunk_sum, w[t]);
             }
             sum[g] = _mm512_fmadd_ps(sum[g], correction, chunk_sum);

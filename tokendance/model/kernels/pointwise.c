@@ -10,22 +10,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define MAX_DIM 256 /* head size, for rope */
 #define BLOCK 256   /* elements converted to float32 at a time */
 #define PARALLEL_ELEMENTS (1 << 16) /* fewer run on one thread: a parallel region costs more */
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 static inline float rounded(float f, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(f)) : f; }
 
@@ -38,27 +27,6 @@ static inline __attribute__((always_inline)) void store(void *row, int64_t i, fl
         ((uint16_t *)row)[i] = float_to_bf16(value);
     else
         ((float *)row)[i] = value;
-}
-
-/* exp(x), x clamped to [-87, 88] (float32's range), as 2^n * 2^f with a degree-6 polynomial for
- * 2^f: relative error ~2e-7, and it vectorizes. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const float n = __builtin_rintf(t); /* vectorizes (roundf does not) */
-    const float f = t - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return p;
 }
 
 static inline __attribute__((always_inline)) void add_rms_norm_rows(void *hidden, const void *delta,

@@ -27,28 +27,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define DIM 64          /* head dimension this kernel is built for */
 #define PAIRS (DIM / 2) /* dimension pairs */
 #define ROWS 6          /* query rows per work item */
 #define BLOCK 64        /* keys per softmax block */
 #define TILES (BLOCK / 16)
-
-/* exp(x) for x <= 0 (larger x is clamped to 0), float32, ~1e-7 relative error. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_setzero_ps()), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 typedef struct { /* where key j's row is: keys[slots[j]] (keys[j] without slots), stored for position
                   * positions[slots[j]] and read at position j: rotated by the difference */
@@ -57,19 +42,6 @@ typedef struct { /* where key j's row is: keys[slots[j]] (keys[j] without slots)
     const float *shift_cos, *shift_sin; /* [2 * max_shift + 1][DIM / 2] */
     int64_t max_shift, num_kv_heads;
 } Source;
-
-static inline uint16_t to_bf16(float x) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-static inline float from_bf16(uint16_t v) {
-    const uint32_t bits = (uint32_t)v << 16;
-    float x;
-    memcpy(&x, &bits, 4);
-    return x;
-}
 
 /* Key j of KV head h at position j, as bf16 pairs: RoPE pairs (i, i + DIM/2) rotated in float32 by
  * the shift between where it is read and where it was stored, then rounded to bf16. */
@@ -83,9 +55,9 @@ static void read_key(const Source *s, int64_t j, int64_t h, uint16_t *out) {
     }
     const float *cos = s->shift_cos + (shift + s->max_shift) * (DIM / 2), *sin = s->shift_sin + (shift + s->max_shift) * (DIM / 2);
     for (int64_t i = 0; i < DIM / 2; i++) {
-        const float a = from_bf16(row[i]), b = from_bf16(row[i + DIM / 2]);
-        out[i] = to_bf16(a * cos[i] - b * sin[i]);
-        out[i + DIM / 2] = to_bf16(b * cos[i] + a * sin[i]);
+        const float a = bf16_to_float(row[i]), b = bf16_to_float(row[i + DIM / 2]);
+        out[i] = float_to_bf16(a * cos[i] - b * sin[i]);
+        out[i + DIM / 2] = float_to_bf16(b * cos[i] + a * sin[i]);
     }
 }
 
@@ -178,7 +150,7 @@ static void item(const uint16_t *q, const uint32_t *packed_keys, const uint16_t 
             const __m512 shift = _mm512_set1_ps(m[r] == -INFINITY ? 0.0f : m[r]), scaled = _mm512_set1_ps(scale);
             __m512 p[TILES], total = _mm512_setzero_ps();
             for (int64_t t = 0; t < TILES; t++) {
-                p[t] = _mm512_maskz_mov_ps(valid[t], exp_nonpositive(_mm512_fmsub_ps(s[r][t], scaled, shift)));
+                p[t] = _mm512_maskz_mov_ps(valid[t], exp512_nonpositive(_mm512_fmsub_ps(s[r][t], scaled, shift)));
                 total = _mm512_add_ps(total, p[t]);
             }
             l[r] += _mm512_reduce_add_ps(total);
