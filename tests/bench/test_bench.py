@@ -84,8 +84,10 @@ def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
     assert {(r["ratio"], r["round"]) for r in sweep} == {(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)}
     for row in sweep:
         assert {"top1_agreement", "mean_kl"} <= row["fidelity"].keys()
-    # recomputing every token reproduces full prefill: the sweep's anchor point
-    assert all(r["fidelity"]["top1_agreement"] == 1.0 for r in sweep if r["ratio"] == 1.0)
+    # recomputing every token reproduces full prefill, the sweep's anchor point, up to rounding: in
+    # bf16 (batches cut differently) an output may part from full's at a near tie, none further
+    for row in (r for r in sweep if r["ratio"] == 1.0):
+        assert row["fidelity"]["confident_divergences"] == 0 and row["fidelity"]["mean_kl"] < 0.005, row
     assert (plots / "generative-agents-scaling.png").stat().st_size > 0
     assert (plots / "generative-agents-fidelity.png").stat().st_size > 0
 
