@@ -80,3 +80,11 @@ def test_forward_with_fused_steps_equals_eager(make_llm, lib):
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         for a, b in zip(got, want):
             assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits)) < 1e-3
+
+
+def test_only_shapes_the_kernel_takes_are_given_to_it():
+    """Its RoPE holds a head of at most POINTWISE_MAX_DIM: larger or odd heads stay in eager ops."""
+    assert kernels.pointwise_fits(torch.bfloat16, 64) and kernels.pointwise_fits(torch.float32, kernels.POINTWISE_MAX_DIM)
+    assert not kernels.pointwise_fits(torch.bfloat16, kernels.POINTWISE_MAX_DIM + 2)
+    assert not kernels.pointwise_fits(torch.bfloat16, 63)
+    assert not kernels.pointwise_fits(torch.float16, 64)

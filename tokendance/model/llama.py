@@ -139,8 +139,8 @@ class LlamaModel:
             if on_cpu else None,
         )
         self.decode_reads = DecodeReads()
-        self.pointwise = Pointwise(kernels.load_pointwise() if on_cpu and dtype in kernels.POINTWISE_DTYPES else None,
-                                   self.cos, self.sin, self.dtype)
+        fused = on_cpu and kernels.pointwise_fits(dtype, config.head_dim)
+        self.pointwise = Pointwise(kernels.load_pointwise() if fused else None, self.cos, self.sin, self.dtype)
 
     def forward(
         self,

@@ -126,6 +126,12 @@ def load_pointwise() -> ctypes.CDLL | None:
 
 
 POINTWISE_DTYPES = (torch.bfloat16, torch.float32)  # what pointwise.c reads and writes
+POINTWISE_MAX_DIM = 256  # the largest head size its RoPE takes (MAX_DIM in pointwise.c)
+
+
+def pointwise_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether pointwise.c takes a model of this dtype and head size (eager ops otherwise)."""
+    return dtype in POINTWISE_DTYPES and head_dim % 2 == 0 and head_dim <= POINTWISE_MAX_DIM
 
 
 def add_rms_norm(lib: ctypes.CDLL, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
