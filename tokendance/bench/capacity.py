@@ -171,7 +171,7 @@ def run_capacity(args) -> int:
     if args.target:
         from tokendance.bench.target import Client
 
-        client = Client(args.target, args.api_key, args.target_model)
+        client = Client(args.target, args.api_key, args.target_model, args.request_timeout)
         return search(args, [client.model], lambda mode, n: run_target_trial(client, n, args),
                       {"target": args.target, "budget": "set on the server"})
     loaded = load_model(args.model)

@@ -76,6 +76,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(rounds and capacity)")
     parser.add_argument("--target-model", default=None, help="model name to send to --target (default: its first)")
     parser.add_argument("--api-key", default="EMPTY", help="API key for --target")
+    parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS",
+                        help="with --target: how long a request may wait for its server's next bytes (a server "
+                             "that queues a large round sends an agent nothing until its turn)")
     parser.add_argument("--declare-rounds", action="store_true",
                         help="with --target: send TokenDance's agent_id/round_id/round_size fields")
     parser.add_argument("--cache-salt", default=None,

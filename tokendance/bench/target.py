@@ -51,9 +51,9 @@ class Client:
         self.base_url, self.api_key, self.timeout = base_url.rstrip("/"), api_key, timeout
         self.model = model or self._first_model()
 
-    def _request(self, path: str, body: dict | None = None):
+    def _request(self, path: str, body: dict | None = None, method: str | None = None):
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, headers={
+        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers={
             "Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"})
         return urllib.request.urlopen(request, timeout=self.timeout)
 
@@ -76,10 +76,8 @@ class Client:
         """DELETE /v1/agents/{id}: a declared agent's session ends (what a simulation's client does
         when it is over); a server without sessions answers 404, which is fine."""
         query = f"?cache_salt={urllib.parse.quote(cache_salt)}" if cache_salt else ""
-        request = urllib.request.Request(f"{self.base_url}/agents/{urllib.parse.quote(agent_id, safe='')}{query}",
-                                         method="DELETE", headers={"Authorization": f"Bearer {self.api_key}"})
         try:
-            urllib.request.urlopen(request, timeout=self.timeout).close()
+            self._request(f"/agents/{urllib.parse.quote(agent_id, safe='')}{query}", method="DELETE").close()
         except OSError:  # HTTPError included: 404 where the server keeps no sessions
             pass
 
@@ -165,7 +163,7 @@ class KVPeak:
 
 
 def run_target(args) -> int:
-    client = Client(args.target, args.api_key, args.target_model)
+    client = Client(args.target, args.api_key, args.target_model, args.request_timeout)
     agent_counts = args.agents or ([3] if args.workload == "debate" else [4, 8, 16])
     rows = []
     with tqdm(total=len(agent_counts) * args.rounds, desc=f"bench {client.model}", unit="round") as bar:

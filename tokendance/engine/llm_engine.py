@@ -11,18 +11,19 @@ import logging
 import time
 from collections.abc import Sequence
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
 from tokendance.config import BATCH_INVARIANT_CHUNK, EngineConfig
 from tokendance.engine.detokenizer import IncrementalDetokenizer
+from tokendance.engine.jobs import KVGroup, KVJob
+from tokendance.engine.output_state import OutputState
 from tokendance.engine.request import Request, RequestStatus
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.kv.manager import KVCacheManager, SessionKey
-from tokendance.batch import ScheduledRequest, SchedulerOutput
+from tokendance.batch import SchedulerOutput
 from tokendance.model.runner import ModelRunner, RunnerOutput
 from tokendance.structured import GrammarCompiler
 from tokendance.model.llama import KVCacheTensors, LlamaModel
@@ -53,46 +54,6 @@ class EngineStats:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-
-@dataclass
-class KVGroup:
-    """A job's forward passes for one step: `items` (no sampling) through the first `num_layers`
-    layers (all when None); `complete` names the tables whose last item this group holds."""
-
-    items: list[ScheduledRequest]
-    num_layers: int | None = None
-    complete: set = field(default_factory=set)
-
-
-class KVJob(Protocol):
-    """Work that prepares KV for requests it then hands to the engine (a round: `engine/round_job.py`).
-    The engine runs one job at a time, in the order they were added, within its steps."""
-
-    done: bool
-    error: BaseException | None
-    has_work: bool
-    request_ids: list[str]
-
-    def advance(self) -> None: ...
-    def next_group(self, budget: int) -> KVGroup | None: ...
-    def group_ran(self, group: KVGroup) -> None: ...
-    def take_ready(self) -> list[Request]: ...
-    def observe(self, outputs: list[RequestOutput]) -> None: ...
-    def fail(self, error: BaseException) -> None: ...
-
-
-@dataclass
-class OutputState:
-    """How a request's outputs are built, beside its scheduling state: never read by the scheduler."""
-
-    detokenizer: IncrementalDetokenizer
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    logits: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None  # per prompt position (None at 0), when asked
-    prompt_logits: dict = field(default_factory=dict)  # prompt position -> logits scoring it, when asked
 
 
 class LLMEngine:
@@ -425,35 +386,19 @@ class LLMEngine:
                 state.detokenizer.finish(request.output_token_ids)
                 del self.requests[request.request_id], self._outputs[request.request_id]
                 self.runner.release(request.request_id)
-            outputs.append(self._output(request, state))
+            outputs.append(state.output(request))
         return outputs + [self._fail(request_id, error, now) for request_id, error in failed]
 
     def _isolate(self, out: SchedulerOutput, exc: Exception):
-        """The batch failed: run each request of it alone (it rewrites its own new slots, so this is
-        safe; the step's copy-on-write copies are redone once first). Returns the batch of those
-        that ran, their merged result, and (id, error) of the others."""
-        if not out.scheduled:
-            return out, RunnerOutput({}, {}), []
-        if len(out.scheduled) == 1:
-            logger.exception("request %s failed in a step", out.scheduled[0].request_id)
-            return SchedulerOutput(), RunnerOutput({}, {}), [(out.scheduled[0].request_id, exc)]
-        kept, result, failed = SchedulerOutput(), RunnerOutput({}, {}), []
-        self.runner.copy_blocks(out.block_copies)  # once: the copied blocks as before the step
-        for item in out.scheduled:
-            sampling = self.runner.sampler.snapshot()
-            try:
-                alone = self.runner.execute(SchedulerOutput([item], [], len(item.token_ids)))
-            except Exception as error:
-                self.runner.sampler.restore(sampling)
-                logger.exception("request %s failed in a step", item.request_id)
-                failed.append((item.request_id, error))
-                continue
-            kept.scheduled.append(item)
-            result.sampled.update(alone.sampled)
-            result.logits.update(alone.logits)
-            result.logprobs.update(alone.logprobs)
-            result.prompt_logprobs.update(alone.prompt_logprobs)
-            result.prompt_logits.update(alone.prompt_logits)
+        """The batch failed: each request of it runs alone (`ModelRunner.execute_each`). Returns
+        the batch of those that ran, their merged result, and (id, error) of the others."""
+        if len(out.scheduled) <= 1:
+            failed = [(item.request_id, exc) for item in out.scheduled]
+            kept, result = SchedulerOutput(), RunnerOutput({}, {})
+        else:
+            kept, result, failed = self.runner.execute_each(out)
+        for request_id, error in failed:
+            logger.error("request %s failed in a step", request_id, exc_info=error)
         return kept, result, failed
 
     def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
@@ -470,28 +415,4 @@ class LLMEngine:
         state = self._outputs.pop(request_id)
         state.finish_time = now
         state.detokenizer.finish(request.output_token_ids)
-        return self._output(request, state)
-
-    def _output(self, request: Request, state: OutputState) -> RequestOutput:
-        """`token_ids` and `logits` are the request's own growing lists (no per-step copies):
-        copy them to keep a snapshot of a running request."""
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=state.detokenizer.output_text,
-            token_ids=request.output_token_ids,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_generated_tokens=len(request.output_token_ids),
-            num_preemptions=request.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_token_time=state.first_token_time,
-            finish_time=state.finish_time,
-            logits=state.logits,
-            logprobs=state.logprobs,
-            prompt_logprobs=state.prompt_logprobs,
-            prompt_logits=state.prompt_logits,
-            agent_id=request.agent_id,
-        )
+        return state.output(request)

@@ -13,7 +13,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from tokendance.batch import ScheduledRequest
-from tokendance.engine.llm_engine import KVGroup
+from tokendance.engine.jobs import KVGroup
 from tokendance.engine.request import Request
 from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, merge_waves
 from tokendance.errors import CapacityError, TokenDanceError

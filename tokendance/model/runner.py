@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,6 +22,11 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # request id -> (prompt position, float32 [vocab] logits scoring it), when return_logits is set too
     prompt_logits: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+
+    def merge(self, other: "RunnerOutput") -> None:
+        """Add another batch's results (of other requests) to these."""
+        for part in fields(self):
+            getattr(self, part.name).update(getattr(other, part.name))
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once
@@ -129,6 +134,25 @@ class ModelRunner:
             keys.index_copy_(0, dst, rotated.to(keys.dtype))
             values.index_copy_(0, dst, values.index_select(0, src))
         self.kv_cache.positions.index_copy_(0, dst, positions)
+
+    def execute_each(self, out: SchedulerOutput) -> tuple[SchedulerOutput, RunnerOutput, list]:
+        """After `out` failed as one batch: each request of it run alone (it rewrites its own new
+        slots, so this is safe; the batch's copy-on-write copies are redone once first). Returns the
+        requests that ran, their merged result, and (id, error) of the others, whose sampling left
+        no trace (generators and grammar matchers as before them)."""
+        kept, result, failed = SchedulerOutput(), RunnerOutput({}, {}), []
+        self.copy_blocks(out.block_copies)  # once: the copied blocks as before the step
+        for item in out.scheduled:
+            sampling = self.sampler.snapshot()
+            try:
+                alone = self.execute(SchedulerOutput([item], [], len(item.token_ids)))
+            except Exception as error:
+                self.sampler.restore(sampling)
+                failed.append((item.request_id, error))
+                continue
+            kept.scheduled.append(item)
+            result.merge(alone)
+        return kept, result, failed
 
     def _forward(self, out: SchedulerOutput, num_layers: int | None = None):
         self.copy_blocks(out.block_copies)

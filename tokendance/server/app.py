@@ -40,11 +40,9 @@ from tokendance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RoundRequest,
-    chat_response,
-    completion_response,
     echo,
-    round_response,
 )
+from tokendance.server.replies import chat_response, completion_response, round_response
 from tokendance.server.tools import OPEN, render_messages
 from tokendance.server.responses import (
     ResponseEvents,

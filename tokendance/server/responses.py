@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from tokendance.outputs import RequestOutput
-from tokendance.server.protocol import ApiError, ChatCompletionRequest, Number, chat_message
+from tokendance.server.protocol import ApiError, ChatCompletionRequest, Number
+from tokendance.server.replies import chat_message
 from tokendance.server.tool_stream import ToolCallStream
 from tokendance.server.tools import Tools
 

@@ -9,16 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 
 from tokendance.outputs import RequestOutput
-from tokendance.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenText,
-    chat_logprobs,
-    completion_logprobs,
-    sse,
-    usage,
-)
+from tokendance.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from tokendance.server.replies import TokenText, chat_logprobs, completion_logprobs, sse, usage
 from tokendance.server.sink import Sink
 from tokendance.server.tool_stream import ToolCallStream
 from tokendance.server.tools import Tools

@@ -1,0 +1,162 @@
+"""Response shapes of the OpenAI-compatible API (plus the round extension): usage, logprobs,
+chat and completion bodies, round results and server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from tokendance.outputs import RequestOutput
+from tokendance.sampling import TokenLogprobs
+from tokendance.server.tools import Tools, parse_tool_calls
+
+
+def usage(outputs: list[RequestOutput], n: int = 1) -> dict:
+    """Token counts of a request's choices; with n choices per prompt, each prompt counts once
+    (outputs are prompt-major: every prompt's n choices in a row)."""
+    prompt = sum(o.num_prompt_tokens for o in outputs[::n])
+    completion = sum(o.num_generated_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs[::n])},
+    }
+
+
+TokenText = Callable[[int], str]  # a token id's text
+
+
+def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText, hidden: frozenset[int] = frozenset()) -> dict:
+    """OpenAI's chat `logprobs`; the `hidden` tokens (EOS: not part of the content) are left out."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries if e.token_id not in hidden]}
+
+
+def completion_logprobs(entries: list[TokenLogprobs], token_text: TokenText, offset: int = 0,
+                        hidden: frozenset[int] = frozenset()) -> dict:
+    entries = [e for e in entries if e.token_id not in hidden]
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def prompt_logprobs_field(output: RequestOutput, token_text: TokenText | None) -> dict:
+    """vLLM's `prompt_logprobs` of a choice, when asked: per prompt token (None for the first), a
+    map from token id to {logprob, rank, decoded_token} holding the prompt token and the most
+    likely alternatives."""
+    if output.prompt_logprobs is None or token_text is None:
+        return {}
+
+    def position(entry) -> dict | None:
+        if entry is None:
+            return None
+        found = {str(t): {"logprob": lp, "rank": rank + 1, "decoded_token": token_text(t)}
+                 for rank, (t, lp) in enumerate(entry.top)}
+        found[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                      "decoded_token": token_text(entry.token_id)}
+        return found
+
+    return {"prompt_logprobs": [position(entry) for entry in output.prompt_logprobs]}
+
+
+def chat_message(output: RequestOutput, tools: Tools | None) -> tuple[dict, str | None]:
+    """The assistant message of a choice and its finish reason (tool calls parsed out)."""
+    message = {"role": "assistant", "content": output.text}
+    if tools is not None:
+        content, calls = parse_tool_calls(output.text, tools)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            return message, "tool_calls" if output.finish_reason == "stop" else output.finish_reason
+    return message, output.finish_reason
+
+
+def chat_response(request_id: str, model: str, outputs: list[RequestOutput], round_info: dict | None,
+                  tools: Tools | None = None, token_text: TokenText | None = None,
+                  hidden: frozenset[int] = frozenset()) -> dict:
+    choices = []
+    for i, output in enumerate(outputs):
+        message, finish_reason = chat_message(output, tools)
+        logprobs = chat_logprobs(output.logprobs, token_text, hidden) if token_text and output.logprobs else None
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                        **prompt_logprobs_field(output, token_text)})
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(outputs, len(outputs)),
+    }
+    if round_info is not None:
+        body["round"] = round_info
+    return body
+
+
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], n: int = 1,
+                        token_text: TokenText | None = None, hidden: frozenset[int] = frozenset()) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": i, "text": o.text, "finish_reason": o.finish_reason,
+             "logprobs": completion_logprobs(o.logprobs, token_text, 0, hidden) if token_text and o.logprobs else None,
+             **prompt_logprobs_field(o, token_text)}
+            for i, o in enumerate(outputs)
+        ],
+        "usage": usage(outputs, n),
+    }
+
+
+def round_output(agent_id: str, output: RequestOutput) -> dict:
+    """One agent's entry of a round's answer; an agent whose computation failed carries its error
+    (finish_reason "error") while the others carry their replies."""
+    entry = {"agent_id": agent_id, "message": {"role": "assistant", "content": output.text},
+             "finish_reason": output.finish_reason, "usage": usage([output])}
+    if output.finish_reason == "error":
+        entry["error"] = {"message": f"the engine failed on this agent ({output.error})", "type": "server_error",
+                          "param": None, "code": "agent_failed"}
+    return entry
+
+
+def round_response(request_id: str, model: str, agent_ids: list[str], outputs: list[RequestOutput],
+                   round_info: dict, stats) -> dict:
+    return {
+        "id": request_id,
+        "object": "round",
+        "created": int(time.time()),
+        "model": model,
+        "round": round_info,
+        "outputs": [round_output(a, o) for a, o in zip(agent_ids, outputs)],
+        "usage": usage(outputs),
+        "stats": {
+            "mode": stats.mode,
+            "num_agents": stats.num_agents,
+            "num_waves": stats.num_waves,
+            "round_seconds": stats.round_seconds,
+            "prefill_seconds": stats.prefill_seconds,
+            "prompt_tokens": stats.prompt_tokens,
+            "computed_tokens": stats.computed_tokens,
+            "reused_tokens": stats.reused_tokens,
+            "kv_bytes_per_agent": stats.kv_bytes_per_agent,
+            "compression": stats.compression,
+            "shared_compression": stats.shared_compression,
+            "diff_blocks": stats.diff_blocks,
+        },
+    }
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event; dicts are JSON-encoded."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
