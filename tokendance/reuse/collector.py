@@ -26,6 +26,7 @@ from tokendance.reuse.round_kv import (
     count_reuse,
     private_positions,
 )
+from tokendance.reuse.planning import choose_masters, first_holders
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.cost import account
 from tokendance.reuse.segments import TokenizedTurn, common_prefix
@@ -205,44 +206,14 @@ class KVCollector(ReusePolicy):
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """A small set of agents whose reused spans cover every distinct shared span (greedy, in order)."""
-    seen: set[bytes] = set()
-    holders = []
-    for agent in agents:
-        keys = {agent.turn.spans[i].key for i in agent.reused_spans} - {None}
-        if keys - seen:
-            holders.append(agent)
-            seen |= keys
-    return holders
+    """A small set of agents whose reused spans cover every distinct shared span."""
+    keys = [{agent.turn.spans[i].key for i in agent.reused_spans} - {None} for agent in agents]
+    return [agents[i] for i in first_holders(keys)]
 
 
 def _choose_masters(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """Agents that compute their prompts in full so that their shared spans become masters.
-    Greedy: the agent whose not-yet-covered spans save the others the most tokens, as long as
-    that saving exceeds what it gives up (reusing the spans earlier masters already cover). A
-    span only a few agents hold by chance is not worth a master: its holders compute it."""
-    holders: dict[bytes, int] = {}
-    spans_of: dict[int, dict[bytes, int]] = {}  # agent -> shared span key -> length
-    for agent in agents:
-        spans = {agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start
-                 for i in agent.reused_spans if agent.turn.spans[i].key is not None}
-        spans_of[id(agent)] = spans
-        for key in spans:
-            holders[key] = holders.get(key, 0) + 1
-    covered: set[bytes] = set()
-    masters: list[AgentPrefill] = []
-
-    def gain(agent: AgentPrefill) -> int:
-        spans = spans_of[id(agent)]
-        saving = sum(length * (holders[key] - 1) for key, length in spans.items() if key not in covered)
-        return saving - sum(length for key, length in spans.items() if key in covered)
-
-    candidates = list(agents)
-    while candidates:
-        best = max(candidates, key=gain)
-        if gain(best) <= 0:
-            break
-        masters.append(best)
-        candidates.remove(best)
-        covered |= spans_of[id(best)].keys()
-    return masters
+    """Agents that compute their prompts in full so that their shared spans become masters
+    (`reuse/planning.py`: choose_masters)."""
+    spans_of = [{agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start
+                 for i in agent.reused_spans if agent.turn.spans[i].key is not None} for agent in agents]
+    return [agents[i] for i in choose_masters(spans_of)]

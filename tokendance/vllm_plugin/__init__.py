@@ -1,0 +1,23 @@
+"""TokenDance inside vLLM: a plugin that gives an unmodified `vllm serve` (v1 engine) collective KV
+reuse for agent rounds. Installed with the package (entry points `vllm.general_plugins` and
+`vllm.endpoint_plugins`); inert until a server names the connector:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TokenDanceConnector", "kv_role": "kv_both"}'
+
+`register` runs in every vLLM process: it registers the connector's name and installs the model
+hand-off (`handoff.py`). The connector is in `connector.py`, the round planning in `rounds.py`, the
+worker's pass in `worker.py`, the KV layouts in `layouts.py`.
+"""
+
+CONNECTOR_NAME = "TokenDanceConnector"
+
+
+def register() -> None:
+    """vLLM general plugin: the connector's name, and the model hand-off. Safe to call twice."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from tokendance.vllm_plugin import handoff
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "tokendance.vllm_plugin.connector", CONNECTOR_NAME)
+    handoff.install()

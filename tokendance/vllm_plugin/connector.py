@@ -1,0 +1,241 @@
+"""`TokenDanceConnector`: collective reuse for agent rounds inside an unmodified vLLM (v1), as a
+KV connector. Turn it on with
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TokenDanceConnector", "kv_role": "kv_both"}'
+
+(the name is registered by this package's `vllm.general_plugins` entry point). Settings go in
+`kv_connector_extra_config`: `recompute_ratio` (0.15), `selection` ("cacheblend"), `check_layer`
+(1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
+long a mirror waits for its masters before it is computed exactly).
+
+Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
+computed, pins the masters' blocks and claims each mirror's range. Worker side: one pass over the
+mirrors admitted in a step, before vLLM's forward (`worker.py`). Whatever it cannot do (a model,
+layout or config it does not know, a master gone, a timeout) is computed by vLLM exactly.
+
+Approximate KV goes into vLLM's prefix cache under the mirror's own `cache_salt`: a mirror
+without a salt is computed exactly, so no other request can take reused KV for an exact hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tokendance.reuse.selection import make_selector
+from tokendance.vllm_plugin import handoff
+from tokendance.vllm_plugin.plan import MirrorLoad
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+
+logger = logging.getLogger("tokendance.vllm")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class Settings:
+    recompute_ratio: float = 0.15
+    selection: str = "cacheblend"
+    check_layer: int = 1
+    round_timeout_s: float = 0.25
+    hold_timeout_s: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
+        extra = dict(extra or {})
+        unknown = set(extra) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                             f"known: {sorted(cls.__dataclass_fields__)}")
+        settings = cls(**extra)
+        make_selector(settings.selection, settings.recompute_ratio)  # validates both
+        return settings
+
+
+@dataclass
+class TokenDanceMetadata(KVConnectorMetadata):
+    loads: list[MirrorLoad] = field(default_factory=list)
+
+
+def unsupported_reason(vllm_config) -> str | None:
+    """Why this vLLM configuration gets no reuse (None: it does)."""
+    model = vllm_config.model_config
+    architectures = getattr(model.hf_config, "architectures", None) or []
+    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        return f"architecture {architectures} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        return "tensor or pipeline parallelism (not tested yet)"
+    if vllm_config.cache_config.cache_dtype != "auto":
+        return f"kv cache dtype {vllm_config.cache_config.cache_dtype}"
+    if getattr(model.hf_config, "sliding_window", None) and getattr(model.hf_config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return "prefix caching is off (agents' histories and salts rely on it)"
+    return None
+
+
+class TokenDanceConnector(KVConnectorBase_V1):
+    """Both roles in one class, as vLLM builds connectors: the scheduler side plans and claims, the
+    worker side fills the claimed ranges."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = Settings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.disabled = unsupported_reason(vllm_config)
+        if self.disabled:
+            logger.warning("TokenDanceConnector: no reuse for this server: %s; every request is computed exactly",
+                           self.disabled)
+        self.counts = {"mirrors": 0, "claimed_tokens": 0, "exact_requests": 0, "bad_params": 0}
+        # scheduler side
+        self.book: RoundBook | None = None
+        self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
+        self.block_pool = None
+        # worker side
+        self.kv_caches: dict[str, Any] = {}
+        self.mirror_pass = None
+        self.failed_block_ids: set[int] = set()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self.block_pool = gpu_block_pool
+
+    def _book(self) -> RoundBook:
+        if self.book is None:
+            boundaries = handoff.boundary_token_ids(self._vllm_config.model_config)
+            self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s)
+        return self.book
+
+    def on_new_request(self, request) -> None:
+        if self.disabled:
+            return
+        try:
+            tag = RoundTag.parse(request.kv_transfer_params)
+        except RoundParamsError as exc:
+            self.counts["bad_params"] += 1
+            logger.warning("TokenDanceConnector: request %s computed exactly: %s", request.request_id, exc)
+            return
+        if tag is None:
+            return
+        if not request.cache_salt:
+            self.counts["exact_requests"] += 1
+            logger.warning("TokenDanceConnector: request %s of round %r has no cache_salt: computed exactly "
+                           "(reused KV enters the prefix cache only under the agent's own salt)",
+                           request.request_id, tag.round_id)
+            return
+        self._book().add(request.request_id, tag, list(request.prompt_token_ids or []))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.book is None or self.book.find(request.request_id) is None:
+            return 0, False
+        count = self.book.claim(request.request_id, num_computed_tokens)
+        return count, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        member = None if self.book is None else self.book.find(request.request_id)
+        if member is None or member.role != "mirror" or member.claim is None:
+            return
+        if num_external_tokens and num_external_tokens == member.claim[1] - member.claim[0]:
+            self.pending[request.request_id] = member
+        else:  # vLLM took another count (its own cache covers the claim): computed exactly
+            member.role = "exact"
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = TokenDanceMetadata()
+        if self.book is None:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            member = self.pending.pop(new.req_id, None)
+            if member is None:
+                continue
+            start, end = member.claim
+            meta.loads.append(MirrorLoad(new.req_id, list(new.block_ids[0]), start, member.token_ids[start:end],
+                                         self.book.loads_for(member)))
+            member.loaded = True
+            self.counts["mirrors"] += 1
+            self.counts["claimed_tokens"] += end - start
+        self._watch_masters(scheduler_output)
+        self._release(self.book.releasable())
+        return meta
+
+    def _watch_masters(self, scheduler_output) -> None:
+        """Masters whose prompt is computed in this step: their blocks are pinned until the round's
+        mirrors have been filled (the workers run this step before any later one)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for master in self.book.masters_to_watch():
+            done = computed.get(master.request_id)
+            if done is None:
+                continue
+            done += scheduler_output.num_scheduled_tokens.get(master.request_id, 0)
+            if done >= len(master.token_ids) - 1:
+                block_ids = self._kv_cache_manager.get_block_ids(master.request_id)[0]
+                self.book.mark_ready(master.request_id, block_ids)
+                self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
+
+    def _release(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in block_ids])
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        if self.book is None:
+            return False, None
+        member = self.book.find(request.request_id)
+        self.pending.pop(request.request_id, None)
+        if member is None:
+            return False, None
+        self.book.finish(request.request_id)
+        self._release(self.book.releasable())
+        claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
+        return False, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.kv_caches = dict(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TokenDanceMetadata) or not meta.loads:
+            return
+        try:
+            reused, computed = self._pass().run(meta.loads)
+            logger.debug("TokenDanceConnector: %d mirrors, %d tokens reused, %d computed",
+                         len(meta.loads), reused, computed)
+        except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
+            logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
+            for load in meta.loads:
+                self.failed_block_ids.update(load.block_ids)
+
+    def _pass(self):
+        if self.mirror_pass is None:
+            from tokendance.vllm_plugin.worker import MirrorPass
+
+            self.mirror_pass = MirrorPass(handoff.model(), handoff.layouts(self._vllm_config, self.kv_caches),
+                                          self.block_size,
+                                          make_selector(self.settings.selection, self.settings.recompute_ratio),
+                                          self.settings.check_layer)
+        return self.mirror_pass
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self.failed_block_ids = self.failed_block_ids, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return

@@ -1,0 +1,33 @@
+"""What the scheduler side tells the worker side each step: the mirrors whose claimed range the
+worker fills before vLLM's forward (plain data, pickled from the engine core to the workers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ReusedSpan:
+    """A shared span of a mirror's prompt served from its master's KV: mirror positions
+    [start, start + length) hold the tokens the master holds at [source_start, ...)."""
+
+    start: int
+    length: int
+    source_block_ids: list[int]
+    source_start: int
+
+
+@dataclass
+class MirrorLoad:
+    """Fill a mirror's positions [start, start + len(token_ids)) in its blocks: reused spans from
+    their masters (keys re-rotated), the selected and private tokens computed in its context."""
+
+    request_id: str
+    block_ids: list[int]
+    start: int
+    token_ids: list[int]
+    spans: list[ReusedSpan] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)

@@ -1,0 +1,243 @@
+"""The scheduler side's rounds: which requests form a round, who computes in full (masters), what
+each mirror claims and when. Plain Python over token ids; no forward passes, no vLLM types.
+
+A request joins a round through its `kv_transfer_params`:
+    {"tokendance": {"round_id": "r7", "round_size": 16, "agent_id": "alice", "namespace": ""}}
+Its prompt is cut into pieces after every boundary token (a token holding a line break, or a
+special token: the chat template's message boundaries), the way `tokendance serve` cuts messages
+into segments; a piece found in two or more prompts of the round is shared. Once every member
+arrived (or `round_timeout_s` passed), the round is planned with the engine's planning code
+(`reuse/planning.py`): masters compute their prompts in full; every other member (a mirror) is
+held until the masters holding its shared pieces have been computed, then claims its prompt up to
+the end of its last reused piece.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from tokendance.reuse.planning import choose_masters
+from tokendance.reuse.segments import segment_key
+from tokendance.vllm_plugin.plan import ReusedSpan
+
+
+class RoundParamsError(ValueError):
+    """`kv_transfer_params["tokendance"]` is malformed."""
+
+
+@dataclass(frozen=True)
+class RoundTag:
+    round_id: str
+    agent_id: str
+    round_size: int | None
+    namespace: str = ""
+
+    @classmethod
+    def parse(cls, params) -> "RoundTag | None":
+        """The tag in a request's kv_transfer_params, None if it has none."""
+        tag = (params or {}).get("tokendance") if isinstance(params, dict) else None
+        if tag is None:
+            return None
+        if not isinstance(tag, dict):
+            raise RoundParamsError("kv_transfer_params.tokendance must be an object")
+        round_id, agent_id, size = tag.get("round_id"), tag.get("agent_id"), tag.get("round_size")
+        namespace = tag.get("namespace", "")
+        if not isinstance(round_id, str) or not round_id or not isinstance(agent_id, str) or not agent_id:
+            raise RoundParamsError("kv_transfer_params.tokendance needs string round_id and agent_id")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise RoundParamsError("kv_transfer_params.tokendance.round_size must be a positive integer")
+        if not isinstance(namespace, str):
+            raise RoundParamsError("kv_transfer_params.tokendance.namespace must be a string")
+        return cls(round_id, agent_id, size, namespace)
+
+
+@dataclass
+class Piece:
+    start: int
+    end: int
+    key: bytes
+
+
+@dataclass
+class Member:
+    """One request of a round. A mirror's `reusable`: (mirror start, length, master, master start)."""
+
+    request_id: str
+    tag: RoundTag
+    token_ids: list[int]
+    arrived: float
+    pieces: list[Piece] = field(default_factory=list)
+    role: str = "waiting"  # waiting -> master | mirror | exact
+    reusable: list[tuple[int, int, "Member", int]] = field(default_factory=list)
+    ready: bool = False  # a master whose prompt has been computed (its KV exists)
+    claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
+    loaded: bool = False  # a mirror whose load was sent to the workers
+    finished: bool = False
+    block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
+
+    @property
+    def needs_masters(self) -> bool:
+        return self.role == "mirror" and not self.loaded and not self.finished
+
+
+@dataclass
+class Round:
+    key: tuple[str, str]
+    size: int | None
+    opened: float
+    members: dict[str, Member] = field(default_factory=dict)
+    planned: bool = False
+    pinned: list[int] = field(default_factory=list)  # block ids held for the masters
+
+    def is_complete(self, now: float, timeout: float) -> bool:
+        return (self.size is not None and len(self.members) >= self.size) or now - self.opened >= timeout
+
+
+def cut_pieces(token_ids: Sequence[int], boundaries: Collection[int], namespace: str, end: int) -> list[Piece]:
+    """The prompt's tokens [0, end) in pieces, each ending after a boundary token (or at `end`)."""
+    pieces, start = [], 0
+    for position in range(end):
+        if token_ids[position] in boundaries or position == end - 1:
+            pieces.append(Piece(start, position + 1, segment_key(token_ids[start:position + 1], namespace)))
+            start = position + 1
+    return pieces
+
+
+class RoundBook:
+    """Every open round and its members, by request id. Invariant: a round's `pinned` blocks are
+    held (one reference each) from its masters' computation until no member needs them."""
+
+    def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
+                 min_piece_tokens: int = 4):
+        self.boundaries = boundaries
+        self.round_timeout_s = round_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self.min_piece_tokens = min_piece_tokens
+        self.rounds: dict[tuple[str, str], Round] = {}
+        self.members: dict[str, tuple[Round, Member]] = {}
+        self.closed: list[Round] = []  # rounds whose members all finished, until their pins are freed
+
+    def add(self, request_id: str, tag: RoundTag, token_ids: list[int], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        key = (tag.namespace, tag.round_id)
+        round_ = self.rounds.get(key)
+        if round_ is None or round_.planned:  # a planned round takes no one: a late member is exact
+            if round_ is not None:
+                self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role="exact"))
+                return
+            round_ = self.rounds[key] = Round(key, tag.round_size, now)
+        member = Member(request_id, tag, token_ids, now)
+        member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1)
+        round_.members[request_id] = member
+        self.members[request_id] = (round_, member)
+        if round_.is_complete(now, self.round_timeout_s):
+            self._plan(round_)
+
+    def find(self, request_id: str) -> Member | None:
+        entry = self.members.get(request_id)
+        return None if entry is None else entry[1]
+
+    def claim(self, request_id: str, num_computed: int, now: float | None = None) -> int | None:
+        """Tokens a member claims beyond `num_computed` (what vLLM's prefix cache holds): 0 for a
+        master or an exact member, None while it must wait (its round or its masters)."""
+        now = time.monotonic() if now is None else now
+        entry = self.members.get(request_id)
+        if entry is None:
+            return 0
+        round_, member = entry
+        if not round_.planned:
+            if not round_.is_complete(now, self.round_timeout_s):
+                return None
+            self._plan(round_)
+        if member.role != "mirror" or member.finished:
+            return 0
+        spans = [r for r in member.reusable if r[0] >= num_computed]
+        masters = {id(m): m for _, _, m, _ in spans}
+        if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
+            member.role = "exact"
+            return 0
+        if not all(m.ready for m in masters.values()):
+            if now - member.arrived > self.hold_timeout_s:
+                member.role = "exact"
+                return 0
+            return None
+        if not spans:  # all in vLLM's prefix cache already
+            member.role = "exact"
+            return 0
+        end = spans[-1][0] + spans[-1][1]
+        member.claim = (num_computed, end)
+        return end - num_computed
+
+    def loads_for(self, member: Member) -> list[ReusedSpan]:
+        """The reused spans of a mirror's claim, with their masters' block ids; pieces that follow
+        each other in both prompts are one span."""
+        start, end = member.claim
+        spans: list[ReusedSpan] = []
+        for s, n, master, ms in member.reusable:
+            if s < start or s + n > end:
+                continue
+            last = spans[-1] if spans else None
+            if (last is not None and last.source_block_ids is master.block_ids and last.start + last.length == s
+                    and last.source_start + last.length == ms):
+                last.length += n
+            else:
+                spans.append(ReusedSpan(s, n, master.block_ids, ms))
+        return spans
+
+    def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """A master's prompt is computed in this step: its blocks (to pin) are returned."""
+        round_, member = self.members[request_id]
+        member.ready = True
+        member.block_ids = list(block_ids)
+        round_.pinned.extend(block_ids)
+        return list(block_ids)
+
+    def finish(self, request_id: str) -> None:
+        entry = self.members.pop(request_id, None)
+        if entry is None:
+            return
+        round_, member = entry
+        member.finished = True
+        if all(m.finished for m in round_.members.values()) and self.rounds.get(round_.key) is round_:
+            del self.rounds[round_.key]
+            self.closed.append(round_)
+
+    def releasable(self) -> list[int]:
+        """Pinned blocks no member needs any more (each returned once)."""
+        freed = []
+        for round_ in [*self.rounds.values(), *self.closed]:
+            if round_.pinned and round_.planned and not any(m.needs_masters for m in round_.members.values()):
+                freed.extend(round_.pinned)
+                round_.pinned = []
+        self.closed = [r for r in self.closed if r.pinned]
+        return freed
+
+    def masters_to_watch(self) -> list[Member]:
+        return [m for _, m in self.members.values() if m.role == "master" and not m.ready and not m.finished]
+
+    def _plan(self, round_: Round) -> None:
+        """Masters by the engine's planning code; each mirror's reusable pieces from them."""
+        round_.planned = True
+        members = list(round_.members.values())
+        holders: dict[bytes, int] = {}
+        for member in members:
+            for key in {p.key for p in member.pieces}:
+                holders[key] = holders.get(key, 0) + 1
+        shared_of = [{p.key: p.end - p.start for p in m.pieces
+                      if holders[p.key] > 1 and p.end - p.start >= self.min_piece_tokens} for m in members]
+        masters = [members[i] for i in choose_masters(shared_of)]
+        where: dict[bytes, tuple[Member, int]] = {}
+        for master in masters:
+            master.role = "master"
+            for piece in master.pieces:
+                where.setdefault(piece.key, (master, piece.start))
+        for member, shared in zip(members, shared_of):
+            if member.role == "master":
+                continue
+            member.role = "mirror"
+            member.reusable = [(p.start, p.end - p.start, *where[p.key]) for p in member.pieces
+                               if p.key in shared and p.key in where]
+            if not member.reusable:
+                member.role = "exact"

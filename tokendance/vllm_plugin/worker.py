@@ -1,0 +1,234 @@
+"""The worker side's pass over the mirrors admitted in one step, through vLLM's own model modules
+(embedding, decoder layers with their norms, projections, RoPE and MLP), with attention replaced
+for the pass by `PassAttention`: exact causal limits over each mirror's paged KV.
+
+For all mirrors of the step at once:
+1. the check pass: layers 0..c over every claimed token, exactly (their KV is written as is);
+2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
+   fresh key at layer c (`reuse/selection.py`, the engine's selectors);
+3. the copy: for layers c+1.., the master's K/V of the tokens not selected, keys re-rotated to
+   the mirror's positions;
+4. the recompute: the selected and private tokens through layers c+1.., from their hidden states
+   at layer c, attending over the fused KV.
+At recompute ratio 1.0 every token is recomputed: an exact prefill of the claimed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokendance.reuse.selection import Selector
+from tokendance.vllm_plugin.layouts import PagedLayout
+from tokendance.vllm_plugin.plan import MirrorLoad
+
+
+class UnsupportedModel(Exception):
+    """The model's shape is not one the pass can drive (the connector then stays inert)."""
+
+
+class KeyRotator:
+    """Moves keys cached at one position to another with the model's own RoPE table: the rotation
+    R(dst) R(src)^T from vLLM's cos/sin cache (exact for any fixed-frequency table: default,
+    linear, llama3 and YaRN scaling alike; the YaRN magnitude cancels). Neox pairing (j, j + r/2)
+    over the first `rotary_dim` dimensions."""
+
+    def __init__(self, rotary_emb: nn.Module):
+        cache = getattr(rotary_emb, "cos_sin_cache", None)
+        if cache is None or not getattr(rotary_emb, "is_neox_style", False) or "MRotary" in type(rotary_emb).__name__:
+            raise UnsupportedModel(f"rotary embedding {type(rotary_emb).__name__} is not a neox-style cached table")
+        self.table = cache.detach().to(torch.float64)  # [max_position, rotary_dim]: cos | sin
+        self.rotary_dim = int(rotary_emb.rotary_dim)
+
+    def __call__(self, keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """keys [N, H, D] cached at positions src [N], as computed at dst [N] (float32 math)."""
+        half = self.rotary_dim // 2
+        c0, s0 = self.table[src, :half], self.table[src, half:]
+        c1, s1 = self.table[dst, :half], self.table[dst, half:]
+        norm = c0 * c0 + s0 * s0
+        cos = ((c1 * c0 + s1 * s0) / norm).float()[:, None, :]  # [N, 1, r/2]
+        sin = ((s1 * c0 - c1 * s0) / norm).float()[:, None, :]
+        k = keys.float()
+        a, b = k[..., :half], k[..., half:self.rotary_dim]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin, k[..., self.rotary_dim:]], dim=-1).to(keys.dtype)
+
+
+@dataclass
+class Attend:
+    """Query rows [row_start, row_end) of the pass's batch attend the keys at positions
+    [0, len(context_slots)) of one mirror, each up to its own position."""
+
+    row_start: int
+    row_end: int
+    positions: torch.Tensor  # [n] int64
+    context_slots: torch.Tensor  # [S] slot of each position
+
+
+class PassAttention(nn.Module):
+    """Stands in for one decoder layer's vLLM `Attention` during the pass: writes the batch's K/V
+    to their slots, then attends each query over its mirror's paged KV with exact causal limits."""
+
+    def __init__(self, attention: nn.Module, layout: PagedLayout):
+        super().__init__()
+        self.num_heads = attention.num_heads
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_size = attention.head_size
+        self.scale = float(attention.impl.scale)
+        self.layout = layout
+        self.write_slots: torch.Tensor | None = None
+        self.attends: list[Attend] = []
+        self.keys: torch.Tensor | None = None  # the batch's fresh keys, when `capture`
+        self.capture = False
+
+    def forward(self, query, key, value, output_shape=None, output_dtype=None):
+        rows = query.shape[0]
+        q = query.view(rows, self.num_heads, self.head_size)
+        k = key.view(rows, self.num_kv_heads, self.head_size)
+        v = value.view(rows, self.num_kv_heads, self.head_size)
+        if self.capture:
+            self.keys = k.clone()
+        self.layout.write(self.write_slots, k, v)
+        out = torch.empty_like(q)
+        for a in self.attends:
+            keys, values = self.layout.read(a.context_slots)  # [S, Hkv, D]
+            mask = torch.arange(len(a.context_slots))[None, :] <= a.positions[:, None]  # [n, S]
+            attended = F.scaled_dot_product_attention(
+                q[a.row_start:a.row_end].transpose(0, 1).float(),  # [Hq, n, D]
+                keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+                attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[a.row_start:a.row_end] = attended.transpose(0, 1).to(out.dtype)
+        return out.view(rows, self.num_heads * self.head_size)
+
+
+class MirrorPass:
+    """Drives a vLLM decoder-only model (Llama, Qwen2, Qwen3, Mistral shapes) over mirrors'
+    claimed ranges. `layouts` maps each decoder layer index to its KV layout."""
+
+    def __init__(self, model: nn.Module, layouts: list[PagedLayout], block_size: int, selector: Selector,
+                 check_layer: int):
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
+            raise UnsupportedModel(f"{type(model).__name__}: no single-stage `model.layers` to drive")
+        if len(layouts) != len(layers):
+            raise UnsupportedModel(f"{len(layouts)} KV layers for {len(layers)} decoder layers")
+        self.inner, self.layers = inner, list(layers)
+        self.shims = []
+        for layer in self.layers:
+            attention = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if attention is None or getattr(attention, "sliding_window", None) or getattr(attention.impl, "logits_soft_cap", None):
+                raise UnsupportedModel(f"{type(layer).__name__}: needs `self_attn.attn` without sliding window or softcap")
+        for layer, layout in zip(self.layers, layouts):
+            self.shims.append(PassAttention(layer.self_attn.attn, layout))
+        self.rotate = KeyRotator(self.layers[0].self_attn.rotary_emb)
+        self.layouts = layouts
+        self.block_size = block_size
+        self.selector = selector
+        self.check_layer = min(check_layer, len(self.layers) - 1)
+
+    # ------------------------------------------------------------ the pass
+
+    @torch.inference_mode()
+    def run(self, loads: list[MirrorLoad]) -> tuple[int, int]:
+        """Fill every load's claimed range. Returns (tokens reused from masters, tokens computed)."""
+        device = self.layouts[0].cache.device
+        ids = torch.tensor([t for load in loads for t in load.token_ids], device=device)
+        positions = torch.cat([torch.arange(load.start, load.end, device=device) for load in loads])
+        context = [self._slots(load.block_ids, 0, load.end) for load in loads]
+        embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
+        hidden, residual = embed(ids), None
+        # 1. the check pass: every claimed token through layers 0..c, exactly
+        attends, row = [], 0
+        for load, slots in zip(loads, context):
+            attends.append(Attend(row, row + len(load.token_ids), positions[row:row + len(load.token_ids)], slots))
+            row += len(load.token_ids)
+        write = torch.cat([slots[load.start:] for load, slots in zip(loads, context)])
+        c = self.check_layer
+        self.shims[c].capture = True
+        hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
+        fresh = self.shims[c].keys
+        self.shims[c].capture, self.shims[c].keys = False, None
+        # 2. selection and 3. the copy of the masters' K/V for the tokens not selected
+        keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
+        copies = self._select(loads, fresh, keep)
+        if copies is not None:
+            self._copy(*copies, layers=range(c + 1, len(self.layers)))
+        # 4. the recompute: selected and private tokens through the remaining layers
+        rows = keep.nonzero().flatten()
+        if c + 1 < len(self.layers) and len(rows):
+            attends = attends_of(rows, positions, context, loads)
+            self._layers(range(c + 1, len(self.layers)), positions[rows], hidden[rows],
+                         None if residual is None else residual[rows], write[rows], attends)
+        reused = int((~keep).sum())
+        return reused, len(ids) - reused
+
+    def _select(self, loads, fresh, keep):
+        """Choose each span's tokens to recompute (clearing `keep` for the others) and return the
+        copy for the rest: (source slots, source positions, destination slots, destination positions)."""
+        c, row = self.check_layer, 0
+        src_slots, src_pos, dst_slots, dst_pos = [], [], [], []
+        for load in loads:
+            for span in load.spans:
+                offsets = torch.arange(span.length)
+                sources = self._slots(span.source_block_ids, span.source_start, span.source_start + span.length)
+                s_pos = offsets + span.source_start
+                d_pos = offsets + span.start
+                rows = row + (span.start - load.start) + offsets
+                cached = self.rotate(self.layouts[c].read(sources)[0], s_pos, d_pos)
+                deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
+                chosen = torch.zeros(span.length, dtype=torch.bool)
+                chosen[self.selector.select(span.length, deviation)] = True
+                reused = ~chosen
+                keep[rows[reused]] = False
+                src_slots.append(sources[reused]), src_pos.append(s_pos[reused])
+                dst_slots.append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
+                dst_pos.append(d_pos[reused])
+            row += len(load.token_ids)
+        if not src_slots:
+            return None
+        return tuple(torch.cat(parts) for parts in (src_slots, src_pos, dst_slots, dst_pos))
+
+    def _copy(self, src_slots, src_pos, dst_slots, dst_pos, layers) -> None:
+        if not len(src_slots):
+            return
+        for index in layers:
+            layout = self.layouts[index]
+            keys, values = layout.read(src_slots)
+            layout.write(dst_slots, self.rotate(keys, src_pos, dst_pos), values)
+
+    def _layers(self, indices, positions, hidden, residual, write, attends):
+        for index in indices:
+            layer, shim = self.layers[index], self.shims[index]
+            shim.write_slots, shim.attends = write, attends
+            attention = layer.self_attn.attn
+            layer.self_attn.attn = shim
+            try:
+                hidden, residual = layer(positions, hidden, residual)
+            finally:
+                layer.self_attn.attn = attention
+                shim.write_slots, shim.attends = None, []
+        return hidden, residual
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        position = torch.arange(start, end)
+        return (blocks[position // self.block_size] * self.block_size + position % self.block_size).to(
+            self.layouts[0].cache.device)
+
+
+def attends_of(rows: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
+               loads: list[MirrorLoad]) -> list[Attend]:
+    """The recompute's attention, per mirror: its kept rows (renumbered in the recompute's batch)
+    over its whole context."""
+    attends, batch_row, first = [], 0, 0
+    for load, slots in zip(loads, context):
+        last = first + len(load.token_ids)
+        mine = rows[(rows >= first) & (rows < last)]
+        if len(mine):
+            attends.append(Attend(batch_row, batch_row + len(mine), positions[mine], slots))
+            batch_row += len(mine)
+        first = last
+    return attends
