@@ -159,7 +159,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
                 continue
             start, end = member.claim
             meta.loads.append(MirrorLoad(new.req_id, list(new.block_ids[0]), start, member.token_ids[start:end],
-                                         self.book.loads_for(member)))
+                                         self.book.loads_for(member), member.tag.recompute_ratio))
             member.loaded = True
             self.counts["mirrors"] += 1
             self.counts["claimed_tokens"] += end - start
@@ -184,8 +184,10 @@ class TokenDanceConnector(KVConnectorBase_V1):
                 self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
 
     def _release(self, block_ids: list[int]) -> None:
+        """Unpin, tails first: as vLLM frees a request's blocks, so a prompt's first blocks (the
+        agent's session for its next round) are evicted last."""
         if block_ids:
-            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in block_ids])
+            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(block_ids)])
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         if self.book is None:
@@ -222,8 +224,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
             from tokendance.vllm_plugin.worker import MirrorPass
 
             self.mirror_pass = MirrorPass(handoff.model(), handoff.layouts(self._vllm_config, self.kv_caches),
-                                          self.block_size,
-                                          make_selector(self.settings.selection, self.settings.recompute_ratio),
+                                          self.block_size, self.settings.selection, self.settings.recompute_ratio,
                                           self.settings.check_layer)
         return self.mirror_pass
 

