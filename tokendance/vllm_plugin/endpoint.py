@@ -1,0 +1,213 @@
+"""The HTTP side of the plugin for `vllm serve` (a `vllm.endpoint_plugins` entry point, loaded when
+`VLLM_PLUGINS` names `tokendance`):
+
+- `RoundFields`, a middleware: a chat or completions body with `tokendance serve`'s round fields
+  (`agent_id`, `round_id`, `round_size`) is rewritten for the connector: the fields go into
+  `kv_transfer_params.tokendance`, and the request gets the agent's own cache salt (within the
+  client's `cache_salt`, which also names the round's namespace). Existing clients and
+  `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`.
+- `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
+  turn is one chat request to this same server (through the middleware), all at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+ROUND_FIELDS = ("agent_id", "round_id", "round_size")
+TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
+ROUND_ONLY = ("agents", "cache_salt", "round_id")  # /v1/rounds fields that are not chat fields
+
+
+class FieldError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def agent_salt(agent_id: str, client_salt: str | None) -> str:
+    """The cache salt of one agent's requests: reused KV is read back only by that agent."""
+    return f"tokendance:{agent_id}" if client_salt is None else f"{client_salt}:tokendance:{agent_id}"
+
+
+def tag_body(body: dict) -> dict:
+    """The body with its round fields moved where the connector reads them. FieldError names a
+    field that is malformed."""
+    fields = {name: body.pop(name) for name in ROUND_FIELDS if name in body}
+    if not fields:
+        return body
+    agent_id, round_id, size = fields.get("agent_id"), fields.get("round_id"), fields.get("round_size")
+    if not isinstance(agent_id, str) or not 0 < len(agent_id) <= 256:
+        raise FieldError("agent_id must be a string of 1 to 256 characters (it names the agent's session)", "agent_id")
+    if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= 256):
+        raise FieldError("round_id must be a string of 1 to 256 characters", "round_id")
+    if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise FieldError("round_size must be a positive integer, with round_id", "round_size")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise FieldError("cache_salt must be a string", "cache_salt")
+    body["cache_salt"] = agent_salt(agent_id, salt)
+    if round_id is not None:
+        params = body.get("kv_transfer_params") or {}
+        if not isinstance(params, dict):
+            raise FieldError("kv_transfer_params must be an object", "kv_transfer_params")
+        tag = {"round_id": round_id, "agent_id": agent_id, "namespace": salt or ""}
+        if size is not None:
+            tag["round_size"] = size
+        body["kv_transfer_params"] = {**params, "tokendance": tag}
+    return body
+
+
+def error_body(message: str, param: str | None, status: int = 400) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                 "code": status}}).encode()
+
+
+class RoundFields:
+    """ASGI middleware: rewrites tagged chat/completions bodies (see `tag_body`); everything else
+    passes untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TAGGED_PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and any(name in body for name in ROUND_FIELDS):
+            try:
+                raw = json.dumps(tag_body(body)).encode()
+            except FieldError as exc:
+                return await _reply(send, 400, error_body(str(exc), exc.param))
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+async def _reply(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RoundsEndpoint:
+    """`vllm.endpoint_plugins` entry point: the middleware and `POST /v1/rounds`."""
+
+    name = "tokendance"
+    required_tasks = ("generate",)
+
+    def __init__(self):
+        self.base_url = None
+
+    def attach_router(self, app) -> None:
+        app.add_middleware(RoundFields)
+
+        @app.post("/v1/rounds")
+        async def rounds(request: Request):
+            try:
+                body = await request.json()
+            except ValueError:
+                return JSONResponse(json.loads(error_body("the body is not JSON", None)), status_code=400)
+            try:
+                requests = round_requests(body)
+            except FieldError as exc:
+                return JSONResponse(json.loads(error_body(str(exc), exc.param)), status_code=400)
+            return await self._run_round(body, requests, request.headers.get("authorization"))
+
+    async def init_state(self, engine_client, state, args) -> None:
+        host = getattr(args, "host", None) or "127.0.0.1"
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.base_url = f"http://{host}:{getattr(args, 'port', 8000)}"
+
+    async def _run_round(self, body: dict, requests: list[dict], authorization: str | None):
+        import httpx
+
+        started = time.perf_counter()
+        headers = {"authorization": authorization} if authorization else {}
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=None, headers=headers) as client:
+            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=r) for r in requests))
+        failed = next((r for r in replies if r.status_code != 200), None)
+        if failed is not None:  # the first agent's error, with its field named by agent
+            content = failed.json()
+            index = replies.index(failed)
+            error = content.get("error") if isinstance(content, dict) else None
+            if isinstance(error, dict):
+                error["param"] = f"agents.{index}.{error.get('param')}" if error.get("param") else f"agents.{index}"
+            return JSONResponse(content, status_code=failed.status_code)
+        outputs = [r.json() for r in replies]
+        return JSONResponse(round_response(body, requests, outputs, time.perf_counter() - started))
+
+
+def round_requests(body) -> list[dict]:
+    """One chat body per agent: the round's fields, the agent's over them, its messages, and the
+    round fields the middleware turns into the connector's tag."""
+    if not isinstance(body, dict):
+        raise FieldError("the body must be an object", None)
+    agents = body.get("agents")
+    if not isinstance(agents, list) or not agents:
+        raise FieldError("agents must be a non-empty list of {agent_id, messages}", "agents")
+    ids = [a.get("agent_id") if isinstance(a, dict) else None for a in agents]
+    if len(set(map(str, ids))) != len(ids):
+        raise FieldError("agent ids of a round must be distinct", "agents")
+    round_id = body.get("round_id") or f"round-{uuid.uuid4().hex}"
+    shared = {k: v for k, v in body.items() if k not in ROUND_ONLY}
+    requests = []
+    for i, agent in enumerate(agents):
+        if not isinstance(agent, dict) or not isinstance(agent.get("messages"), list) or not agent["messages"]:
+            raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.messages")
+        request = {**shared, **agent, "round_id": round_id, "round_size": len(agents)}
+        for name, wanted in (("stream", False), ("n", 1), ("tools", None)):
+            if request.get(name, wanted) not in (wanted, None, []):
+                raise FieldError(f"/v1/rounds does not support {name}; send each agent's chat request "
+                                 "(with round_id and round_size) instead", f"agents.{i}.{name}")
+        if body.get("cache_salt") is not None:
+            request["cache_salt"] = body["cache_salt"]
+        try:
+            tag_body(dict(request))  # validated here, rewritten by the middleware on the way in
+        except FieldError as exc:
+            raise FieldError(str(exc), f"agents.{i}.{exc.param}") from None
+        requests.append(request)
+    return requests
+
+
+def round_response(body: dict, requests: list[dict], outputs: list[dict], seconds: float) -> dict:
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+    entries = []
+    for request, output in zip(requests, outputs):
+        choice = output["choices"][0]
+        used = output.get("usage") or {}
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            usage[key] += used.get(key) or 0
+        usage["cached_tokens"] += (used.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        entries.append({"agent_id": request["agent_id"], "message": choice["message"],
+                        "finish_reason": choice["finish_reason"], "usage": used})
+    return {"id": requests[0]["round_id"], "object": "round", "created": int(time.time()),
+            "model": outputs[0].get("model"), "round": {"round_id": requests[0]["round_id"], "round_size": len(requests)},
+            "outputs": entries, "usage": usage,
+            "stats": {"mode": "vllm+tokendance", "num_agents": len(requests), "round_seconds": seconds}}
