@@ -1,0 +1,100 @@
+"""`vllm serve` with the plugin, through the official openai client: the endpoint plugin's
+`/v1/rounds` and round fields on chat requests (tokendance serve's API) reach the connector, and
+at recompute ratio 1.0 a round answers exactly what plain chat requests answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+import openai  # noqa: E402
+
+from tokendance.workloads import make_workload  # noqa: E402
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"recompute_ratio": 1.0}}
+    env = {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
+         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--max-model-len", "4096", "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
+         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(config)],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                log.seek(0)
+                pytest.fail(f"vllm serve did not start:\n{log.read().decode(errors='replace')[-4000:]}")
+            time.sleep(1)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def agents(num: int, seed: int) -> list[dict]:
+    workload = make_workload("generative-agents", num, seed=seed)
+    return [{"agent_id": t.agent_id, "messages": list(t.messages)} for t in workload.turns(0, [])]
+
+
+def chat(client, messages, **extra):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body=extra or None)
+
+
+def test_a_round_through_v1_rounds_answers_what_plain_chat_answers(server):
+    turns = agents(4, seed=10)
+    reply = server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": turns, "max_tokens": 12,
+                                                         "temperature": 0})
+    assert [o["agent_id"] for o in reply["outputs"]] == [t["agent_id"] for t in turns]
+    assert reply["object"] == "round" and reply["stats"]["num_agents"] == 4
+    assert reply["usage"]["cached_tokens"] > 0  # the mirrors' claimed tokens
+    plain = [chat(server, t["messages"], cache_salt=f"plain-{t['agent_id']}") for t in turns]
+    assert [o["message"]["content"] for o in reply["outputs"]] == [p.choices[0].message.content for p in plain]
+
+
+def test_chat_requests_with_round_fields_form_a_round(server):
+    turns = agents(3, seed=11)
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda t: chat(server, t["messages"], agent_id=t["agent_id"], round_id="declared-1",
+                                               round_size=3), turns))
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    assert sum(c > 0 for c in cached) == 2  # two mirrors claimed their shared messages; the master none
+    plain = [chat(server, t["messages"], cache_salt=f"plain-{t['agent_id']}") for t in turns]
+    assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
+
+
+def test_malformed_round_fields_are_refused_with_their_field(server):
+    messages = agents(1, seed=12)[0]["messages"]
+    for extra, param in (({"agent_id": ""}, "agent_id"), ({"agent_id": "a", "round_size": 2}, "round_size"),
+                         ({"agent_id": "a", "round_id": "r", "round_size": "two"}, "round_size")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(server, messages, **extra)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": agents(2, seed=12), "stream": True})
+    assert refused.value.body["param"] == "agents.0.stream"
