@@ -26,6 +26,15 @@ def tag(agent: str, size: int | None = 3, round_id: str = "r1") -> RoundTag:
     return RoundTag(round_id, agent, size)
 
 
+def planned(b: RoundBook) -> tuple[dict, str, list[str]]:
+    """A complete round of three agents added to `b`: (prompts, its master, its mirrors)."""
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent), ids, now=0.0)
+    master = next(a for a in prompts if b.find(a).role == "master")
+    return prompts, master, [a for a in prompts if b.find(a).role == "mirror"]
+
+
 def test_pieces_end_after_boundaries_and_at_the_end():
     pieces = cut_pieces([5, NL, 6, 7, NL, 8], {NL}, "", 6)
     assert [(p.start, p.end) for p in pieces] == [(0, 2), (2, 5), (5, 6)]
@@ -66,11 +75,7 @@ def test_a_round_plans_one_master_and_mirrors_claim_up_to_their_last_shared_piec
 
 def test_claims_skip_what_vllms_prefix_cache_holds():
     b = book()
-    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
-    for agent, ids in prompts.items():
-        b.add(agent, tag(agent), ids, now=0.0)
-    master = next(a for a in prompts if b.find(a).role == "master")
-    mirror = next(a for a in prompts if b.find(a).role == "mirror")
+    prompts, master, (mirror, _) = planned(b)
     b.mark_ready(master, [1])
     first_line_end = 5 + 7
     assert b.claim(mirror, first_line_end, now=0.0) == len(prompts[mirror]) - 1 - first_line_end
@@ -91,13 +96,9 @@ def test_incomplete_rounds_are_planned_at_the_timeout_and_late_members_are_exact
 
 
 def test_mirrors_fall_back_to_exact_when_their_master_is_gone_or_too_slow():
-    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
     for gone in (True, False):
         b = book(hold=10.0)
-        for agent, ids in prompts.items():
-            b.add(agent, tag(agent), ids, now=0.0)
-        master = next(a for a in prompts if b.find(a).role == "master")
-        mirror = next(a for a in prompts if b.find(a).role == "mirror")
+        _, master, (mirror, _) = planned(b)
         if gone:
             b.finish(master)  # aborted before its prompt was computed
             assert b.claim(mirror, 0, now=1.0) == 0
@@ -109,11 +110,7 @@ def test_mirrors_fall_back_to_exact_when_their_master_is_gone_or_too_slow():
 
 def test_masters_blocks_are_released_once_no_mirror_needs_them():
     b = book()
-    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
-    for agent, ids in prompts.items():
-        b.add(agent, tag(agent), ids, now=0.0)
-    master = next(a for a in prompts if b.find(a).role == "master")
-    mirrors = [a for a in prompts if b.find(a).role == "mirror"]
+    _, master, mirrors = planned(b)
     assert b.mark_ready(master, [3, 4]) == [3, 4]
     b.finish(master)  # the master may finish first: its blocks stay pinned
     assert b.releasable() == []

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tokendance.reuse.selection import make_selector
 from tokendance.vllm_plugin import handoff
@@ -62,6 +63,27 @@ class Settings:
 @dataclass
 class TokenDanceMetadata(KVConnectorMetadata):
     loads: list[MirrorLoad] = field(default_factory=list)
+
+
+@dataclass
+class TokenDanceStats(KVConnectorStats):
+    """What the workers' passes did since the last report (summed over workers and intervals):
+    mirrors filled, tokens reused from masters, tokens computed, mirrors whose pass failed. vLLM
+    logs them with its KV transfer metrics."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TokenDanceStats":
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
 
 
 def unsupported_reason(vllm_config) -> str | None:
@@ -103,6 +125,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.kv_caches: dict[str, Any] = {}
         self.mirror_pass = None
         self.failed_block_ids: set[int] = set()
+        self.stats = TokenDanceStats()
 
     # ------------------------------------------------------------ scheduler side
 
@@ -212,12 +235,23 @@ class TokenDanceConnector(KVConnectorBase_V1):
             return
         try:
             reused, computed = self._pass().run(meta.loads)
-            logger.debug("TokenDanceConnector: %d mirrors, %d tokens reused, %d computed",
-                         len(meta.loads), reused, computed)
+            self.stats.aggregate(TokenDanceStats({"mirrors": len(meta.loads), "reused_tokens": reused,
+                                                  "computed_tokens": computed}))
         except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
             logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
+            self.stats.aggregate(TokenDanceStats({"failed_mirrors": len(meta.loads)}))
             for load in meta.loads:
                 self.failed_block_ids.update(load.block_ids)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, TokenDanceStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TokenDanceStats(data=dict(data or {}))
 
     def _pass(self):
         if self.mirror_pass is None:
