@@ -106,18 +106,22 @@ def main() -> int:
 
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
-    results = {name: run(name, args) for name in args.servers}
-    print(f"\n{args.workload} N={args.agents}, {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability}")
+    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}.json"
+    earlier = json.loads(out.read_text())["rounds"] if out.exists() else {}
+    fresh = {name: run(name, args) for name in args.servers}
+    # servers not run now keep their last measurement (same workload and size), for the table
+    results = {name: fresh.get(name) or earlier.get(name) for name in SERVERS if fresh.get(name) or earlier.get(name)}
+    print(f"\n{args.workload} N={args.agents}, {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability}"
+          f" (measured now: {', '.join(fresh)}; earlier: {', '.join(set(results) - set(fresh)) or 'none'})")
     print(f"{'round':>5}" + "".join(f"{name + ' s':>20}{'TTFT':>7}" for name in results)
           + "".join(f"{'vllm/' + name:>22}" for name in results if name != "vllm"))
-    for index in range(args.rounds):
+    for index in range(min(len(r) for r in results.values())):
         row = {name: rounds[index] for name, rounds in results.items()}
         line = f"{index + 1:>5}" + "".join(f"{r['round_seconds']:>20.2f}{r['prefill_seconds']:>7.2f}" for r in row.values())
         if "vllm" in row:
             line += "".join(f"{row['vllm']['round_seconds'] / r['round_seconds']:>21.2f}x"
                             for name, r in row.items() if name != "vllm")
         print(line)
-    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": args.workload, "agents": args.agents, "dtype": args.dtype,
                                "kv_gib": args.kv_gib, "cpu": cpu.capability, "ratio": args.ratio,

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokendance.model import kernels
 from tokendance.reuse.selection import Selector, make_selector
 from tokendance.vllm_plugin.layouts import PagedLayout
 from tokendance.vllm_plugin.plan import MirrorLoad
@@ -69,7 +70,9 @@ class Attend:
 
 class PassAttention(nn.Module):
     """Stands in for one decoder layer's vLLM `Attention` during the pass: writes the batch's K/V
-    to their slots, then attends each query over its mirror's paged KV with exact causal limits."""
+    to their slots, then attends each query over its mirror's paged KV with exact causal limits.
+    Attention runs in the engine's bf16 prefill kernel where the CPU has one (AVX512-BF16, bf16
+    model, head size 64: each query stopped at its position, no mask), else in SDPA with a mask."""
 
     def __init__(self, attention: nn.Module, layout: PagedLayout):
         super().__init__()
@@ -78,6 +81,10 @@ class PassAttention(nn.Module):
         self.head_size = attention.head_size
         self.scale = float(attention.impl.scale)
         self.layout = layout
+        cache = layout.cache
+        self.kernel = None
+        if cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and self.head_size == kernels.PREFILL_DIM:
+            self.kernel = kernels.load_prefill()
         self.write_slots: torch.Tensor | None = None
         self.attends: list[Attend] = []
         self.keys: torch.Tensor | None = None  # the batch's fresh keys, when `capture`
@@ -94,13 +101,21 @@ class PassAttention(nn.Module):
         out = torch.empty_like(q)
         for a in self.attends:
             keys, values = self.layout.read(a.context_slots)  # [S, Hkv, D]
-            mask = torch.arange(len(a.context_slots))[None, :] <= a.positions[:, None]  # [n, S]
-            attended = F.scaled_dot_product_attention(
-                q[a.row_start:a.row_end].transpose(0, 1).float(),  # [Hq, n, D]
-                keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
-                attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[a.row_start:a.row_end] = attended.transpose(0, 1).to(out.dtype)
+            out[a.row_start:a.row_end] = self._attend(q[a.row_start:a.row_end], keys, values, a.positions)
         return out.view(rows, self.num_heads * self.head_size)
+
+    def _attend(self, q, keys, values, positions) -> torch.Tensor:  # q [n, Hq, D] at `positions` -> [n, Hq, D]
+        if self.kernel is not None:
+            return kernels.prefill_attention_bf16(self.kernel, q.contiguous(), keys.contiguous(), values.contiguous(),
+                                                  positions + 1, self.scale, None).to(q.dtype)
+        group = self.num_heads // self.num_kv_heads
+        mask = torch.arange(len(keys), device=q.device)[None, :] <= positions[:, None]  # [n, S]
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, Hq, n, D]
+            keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],  # [1, Hq, S, D]
+            values.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+            attn_mask=mask, scale=self.scale)
+        return attended[0].transpose(0, 1)
 
 
 class MirrorPass:
