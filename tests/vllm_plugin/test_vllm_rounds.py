@@ -130,3 +130,14 @@ def test_a_round_without_shared_content_computes_everyone_exactly():
         b.add(f"a{i}", tag(f"a{i}"), [300 + i * 10 + j for j in range(12)], now=0.0)
     assert {b.find(f"a{i}").role for i in range(3)} == {"exact"}
     assert all(b.claim(f"a{i}", 0, now=0.0) == 0 for i in range(3))
+
+
+def test_a_mirror_resumed_after_preemption_is_computed_exactly():
+    """Once filled, a mirror never claims again: its masters' blocks may be unpinned and reused."""
+    b = book()
+    _, master, (mirror, other) = planned(b)
+    b.mark_ready(master, [5])
+    assert b.claim(mirror, 0, now=0.0) > 0
+    b.find(mirror).loaded = True  # its load went to the workers; then vLLM preempted it
+    assert b.claim(mirror, 0, now=0.1) == 0 and b.find(mirror).role == "exact"
+    assert b.claim(other, 0, now=0.1) > 0  # the others are not affected

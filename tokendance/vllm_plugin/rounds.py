@@ -160,6 +160,9 @@ class RoundBook:
             self._plan(round_)
         if member.role != "mirror" or member.finished:
             return 0
+        if member.loaded:  # resumed after a preemption: its masters may be unpinned by now
+            member.role = "exact"
+            return 0
         spans = [r for r in member.reusable if r[0] >= num_computed]
         masters = {id(m): m for _, _, m, _ in spans}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
