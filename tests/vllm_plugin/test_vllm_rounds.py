@@ -141,3 +141,19 @@ def test_a_mirror_resumed_after_preemption_is_computed_exactly():
     b.find(mirror).loaded = True  # its load went to the workers; then vLLM preempted it
     assert b.claim(mirror, 0, now=0.1) == 0 and b.find(mirror).role == "exact"
     assert b.claim(other, 0, now=0.1) > 0  # the others are not affected
+
+
+def test_a_step_admits_claims_up_to_its_budget_and_the_rest_in_later_steps():
+    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(4)}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent, size=4), ids, now=0.0)
+    master = next(a for a in prompts if b.find(a).role == "master")
+    mirrors = [a for a in prompts if b.find(a).role == "mirror"]
+    b.mark_ready(master, [1])
+    claims = [b.claim(m, 0, now=0.0) for m in mirrors]
+    assert claims[0] == 26 and claims[1:] == [None, None]  # 26 + 26 > 30: one mirror this step
+    b.next_step()
+    assert b.claim(mirrors[1], 0, now=0.0) == 26 and b.claim(mirrors[2], 0, now=0.0) is None
+    b.next_step()
+    assert b.claim(mirrors[2], 0, now=0.0) == 26

@@ -6,7 +6,8 @@ KV connector. Turn it on with
 (the name is registered by this package's `vllm.general_plugins` entry point). Settings go in
 `kv_connector_extra_config`: `recompute_ratio` (0.15), `selection` ("cacheblend"), `check_layer`
 (1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
-long a mirror waits for its masters before it is computed exactly).
+long a mirror waits for its masters before it is computed exactly), `claim_tokens_per_step`
+(8192: the claimed tokens one step's pass fills at most; 0 for no limit).
 
 Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
 computed, pins the masters' blocks and claims each mirror's range. Worker side: one pass over the
@@ -47,6 +48,7 @@ class Settings:
     check_layer: int = 1
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0
+    claim_tokens_per_step: int = 8192
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -135,7 +137,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
     def _book(self) -> RoundBook:
         if self.book is None:
             boundaries = handoff.boundary_token_ids(self._vllm_config.model_config)
-            self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s)
+            self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s,
+                                  self.settings.claim_tokens_per_step)
         return self.book
 
     def on_new_request(self, request) -> None:
@@ -188,6 +191,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
             self.counts["claimed_tokens"] += end - start
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
+        self.book.next_step()
         return meta
 
     def _watch_masters(self, scheduler_output) -> None:

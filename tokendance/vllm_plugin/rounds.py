@@ -117,8 +117,12 @@ class RoundBook:
     held (one reference each) from its masters' computation until no member needs them."""
 
     def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
-                 min_piece_tokens: int = 4):
+                 claim_tokens_per_step: int = 0, min_piece_tokens: int = 4):
         self.boundaries = boundaries
+        # At most this many claimed tokens are admitted in one step (0: no limit): the workers fill
+        # a large round's mirrors over several steps, and the first ones decode meanwhile.
+        self.claim_tokens_per_step = claim_tokens_per_step
+        self.claimed_this_step = 0
         self.round_timeout_s = round_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.min_piece_tokens = min_piece_tokens
@@ -177,8 +181,16 @@ class RoundBook:
             member.role = "exact"
             return 0
         end = spans[-1][0] + spans[-1][1]
+        budget, count = self.claim_tokens_per_step, end - num_computed
+        if budget and self.claimed_this_step and self.claimed_this_step + count > budget:
+            return None  # this step's pass is full: a later step fills this mirror
+        self.claimed_this_step += count
         member.claim = (num_computed, end)
-        return end - num_computed
+        return count
+
+    def next_step(self) -> None:
+        """The step's admissions are over (the connector built its metadata)."""
+        self.claimed_this_step = 0
 
     def loads_for(self, member: Member) -> list[ReusedSpan]:
         """The reused spans of a mirror's claim, with their masters' block ids; pieces that follow
