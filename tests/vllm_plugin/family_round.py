@@ -1,0 +1,45 @@
+"""One round of four agents in `vllm.LLM` with the connector at recompute ratio 1.0, and the same
+prompts computed exactly; writes each agent's role, claimed tokens and first-token log-probs
+(both ways) as JSON. Run in a subprocess per model (vLLM keeps one engine per process well):
+
+    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json
+"""
+
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+folder, out = sys.argv[1], sys.argv[2]
+llm = LLM(model=folder, dtype="float32", max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
+          block_size=32, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
+                                                             kv_connector_extra_config={"recompute_ratio": 1.0}))
+tokenizer = llm.get_tokenizer()
+names = ["Ann", "Ben", "Cal", "Dee"]
+said = "\n".join(f"[{n}]: the bridge needs {i + 2} new planks before the market, and {n} will bring rope." for i, n in enumerate(names))
+prompts = {}
+for i, name in enumerate(names):
+    messages = [{"role": "system", "content": f"You are {name}. " + "You keep bees and sell honey. " * (i + 1)},
+                {"role": "user", "content": f"Last round:\n{said}\nWhat do you do now, {name}?"}]
+    prompts[name] = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+
+def run(salt, tagged):
+    params = [SamplingParams(temperature=0, max_tokens=2, logprobs=5, extra_args={"kv_transfer_params": {
+        "tokendance": {"round_id": "r", "round_size": 4, "agent_id": n}}} if tagged else None) for n in names]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[n], cache_salt=f"{salt}-{n}") for n in names],
+                           params, use_tqdm=False)
+    return {n: {"role": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("role"),
+                "claimed": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("claimed_tokens", 0),
+                "first": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+            for n, o in zip(names, outputs)}
+
+
+json.dump({"reused": run("reused", True), "exact": run("exact", False)}, open(out, "w"))
