@@ -118,7 +118,6 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if self.disabled:
             logger.warning("TokenDanceConnector: no reuse for this server: %s; every request is computed exactly",
                            self.disabled)
-        self.counts = {"mirrors": 0, "claimed_tokens": 0, "exact_requests": 0, "bad_params": 0}
         # scheduler side
         self.book: RoundBook | None = None
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
@@ -147,13 +146,11 @@ class TokenDanceConnector(KVConnectorBase_V1):
         try:
             tag = RoundTag.parse(request.kv_transfer_params)
         except RoundParamsError as exc:
-            self.counts["bad_params"] += 1
             logger.warning("TokenDanceConnector: request %s computed exactly: %s", request.request_id, exc)
             return
         if tag is None:
             return
         if not request.cache_salt:
-            self.counts["exact_requests"] += 1
             logger.warning("TokenDanceConnector: request %s of round %r has no cache_salt: computed exactly "
                            "(reused KV enters the prefix cache only under the agent's own salt)",
                            request.request_id, tag.round_id)
@@ -187,8 +184,6 @@ class TokenDanceConnector(KVConnectorBase_V1):
             meta.loads.append(MirrorLoad(new.req_id, list(new.block_ids[0]), start, member.token_ids[start:end],
                                          self.book.loads_for(member), member.tag.recompute_ratio))
             member.loaded = True
-            self.counts["mirrors"] += 1
-            self.counts["claimed_tokens"] += end - start
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
         self.book.next_step()

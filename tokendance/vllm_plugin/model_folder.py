@@ -37,5 +37,6 @@ def default_model_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     config = json.loads(config_path.read_text())
     config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 100000.0))
     config_path.write_text(json.dumps(config, indent=2))
-    partial.rename(folder) if not folder.exists() else None
+    if not folder.exists():  # another process may have finished first
+        partial.rename(folder)
     return folder
