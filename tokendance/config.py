@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokendance import registry
+from tokendance.model.rope import RopeScaling
 from tokendance.errors import InvalidRequestError
 
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
@@ -15,7 +16,9 @@ BATCH_INVARIANT_CHUNK = 256  # batch_invariant: prompt chunks end at multiples o
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from GGUF metadata or a config.json."""
+    """Shape of a Llama-family decoder, read from GGUF metadata or a config.json: Llama and Mistral
+as they are, Qwen2 with q/k/v biases (`attention_bias`), Qwen3 with RMSNorm on each head's queries
+and keys before RoPE (`qk_norm`)."""
 
     vocab_size: int
     hidden_size: int
@@ -30,6 +33,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    architecture: str = "llama"  # the family's name (model_type / GGUF general.architecture)
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None  # None: default RoPE
 
 
 @dataclass(frozen=True)

@@ -65,13 +65,13 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:  # process-wide: only when asked for
             torch.set_num_threads(config.num_threads)
-        loaded = loaded or load_model(config.model)
+        self.cpu = probe_cpu()
+        dtype = resolve_dtype(config.dtype, self.cpu, config.device)
+        loaded = loaded or load_model(config.model, dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
-        self.cpu = probe_cpu()
-        dtype = resolve_dtype(config.dtype, self.cpu, config.device)
         self.dtype = str(dtype).removeprefix("torch.")
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens,
                            packed_bf16=self.cpu.packed_bf16, batch_invariant=config.batch_invariant)

