@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import LOGIT_ATOL, round_turns
-from tests.model.families import FAMILIES, save_tokenizer, write_family
+from tests.model.families import FAMILIES, save_tokenizer, write_family, write_gguf
 from tokendance import LLM, SamplingParams
 from tokendance.errors import ModelLoadError
 from tokendance.model.llama import apply_rope, rope_inverse_frequencies, rope_tables
@@ -186,3 +187,109 @@ def test_rotating_a_stored_key_equals_computing_it_at_the_new_position(family_mo
     angles = (moved - stored).float()[:, None, None] * rope_inverse_frequencies(config)  # [50, 1, D/2]
     rotated = rotate_pairs(apply_rope(keys, cos[stored], sin[stored]), angles.cos(), angles.sin())
     assert (rotated - apply_rope(keys, cos[moved], sin[moved])).abs().max().item() < 1e-3  # float32 angles of ~500 rad
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_of_each_family_loads_the_same_model(family_models, model_weights, tmp_path, family):
+    """The family written as llama.cpp's converter writes it (float32 tensors): the same logits
+    as the folder, Llama 3's `rope_freqs`, YaRN metadata and Q/K row order included."""
+    folder, reference = family_models(family)
+    write_gguf(tmp_path / "model.gguf", reference, model_weights)
+    gguf, hf = load_model(tmp_path / "model.gguf"), load_model(folder)
+    assert gguf.config.architecture == {"mistral": "llama"}.get(hf.config.architecture, hf.config.architecture)
+    assert (gguf.config.rope_scaling is None) == (hf.config.rope_scaling is None)
+    llm_gguf, llm_hf = LLM(gguf, dtype="float32"), LLM(hf, dtype="float32")
+    prompt = llm_hf.tokenizer.encode("Agents gather in the square and talk about the harvest " * 30)
+    assert llm_gguf.tokenizer.encode("Agents gather in the square") == llm_hf.tokenizer.encode("Agents gather in the square")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, return_logits=True)
+    ours, want = llm_gguf.generate([prompt], params)[0], llm_hf.generate([prompt], params)[0]
+    assert ours.token_ids == want.token_ids
+    for step, (a, b) in enumerate(zip(ours.logits, want.logits)):
+        assert (a - b).abs().max().item() < LOGIT_ATOL, f"step {step}"
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q5_1", "Q4_0"])
+def test_gguf_quantized_tensors_load_as_the_gguf_package_dequantizes_them(family_models, model_weights, tmp_path,
+                                                                            qtype):
+    """Each quantization type the gguf package can write, loaded tensor by tensor into the
+    engine's dtype: every matrix equals gguf's dequantization of what was written (Q/K rows back
+    in Hugging Face order), and the model stays close to the float32 one."""
+    import gguf as gguf_package
+
+    folder, reference = family_models("llama-3 (llama3 RoPE)")
+    write_gguf(tmp_path / "model.gguf", reference, model_weights, qtype)
+    loaded = load_model(tmp_path / "model.gguf", torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in loaded.weights.values())
+    kind = gguf_package.GGMLQuantizationType[qtype]
+    weight = reference.state_dict()["model.layers.1.mlp.down_proj.weight"].numpy()
+    want = gguf_package.quants.dequantize(gguf_package.quants.quantize(weight, kind), kind)
+    assert torch.equal(loaded.weights["model.layers.1.mlp.down_proj.weight"], torch.from_numpy(want).bfloat16())
+    if qtype in ("F16", "BF16", "Q8_0"):  # 4-5 bits move these random weights' peaked logits too far to compare
+        llm = LLM(load_model(tmp_path / "model.gguf"), dtype="float32")
+        prompt = llm.tokenizer.encode("The weather in Paris today is " * 8)
+        logits = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, return_logits=True))[0].logits[0]
+        assert kl(logits, reference_logits(reference, prompt)[-1]) < 0.05
+
+
+def test_gguf_qwen2_pre_tokenizer_splits_as_transformers(family_models, model_weights, tmp_path):
+    """A GGUF whose pre-tokenizer is `qwen2` (digits one by one, Qwen's split) tokenizes as
+    transformers' own GGUF tokenizer conversion does."""
+    from transformers import AutoTokenizer
+
+    from tokendance.model.loader import load_tokenizer
+
+    _, reference = family_models("qwen2")
+    write_gguf(tmp_path / "model.gguf", reference, model_weights, pre="qwen2")
+    text = "Hello world! It's 12345 apples, they're 3.14159\n\n  and   ÄÖÜ 你好 🙂 DON'T\r\nx   \n y"
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="model.gguf")
+    assert load_tokenizer(tmp_path / "model.gguf").encode(text) == theirs.encode(text, add_special_tokens=False)
+
+
+def test_gguf_pre_tokenizers_the_loader_does_not_know_are_refused(family_models, model_weights, tmp_path):
+    _, reference = family_models("qwen2")
+    write_gguf(tmp_path / "model.gguf", reference, model_weights, pre="deepseek-coder")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'deepseek-coder' is not supported"):
+        load_model(tmp_path / "model.gguf")
+
+
+TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
+CHAT_TEMPLATES = {  # template file: (special tokens it needs, bos, eos)
+    "qwen2.5": ((), None, "<|im_end|>"),
+    "llama3": (("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|begin_of_text|>",
+               "<|eot_id|>"),
+    "mistral": (("<s>", "</s>"), "<s>", "</s>"),
+}
+CHAT = [{"role": "system", "content": "You are Mira, a baker in the village.\nYou speak briefly."},
+        {"role": "user", "content": "Tom said: the harvest is late.\nAnna said: rain again & <again>."},
+        {"role": "assistant", "content": "Then we bake less bread."},
+        {"role": "user", "content": "Round 2: Mira, what do you say next?"}]
+
+
+@pytest.mark.parametrize("template", list(CHAT_TEMPLATES))
+def test_family_chat_templates_render_and_segment_as_transformers(tokenizer, tmp_path, template):
+    """The family's template (Qwen2.5's, Llama 3's, Mistral's) from tokenizer_config.json: the
+    prompt's ids, segment by segment as rounds cut it, equal transformers' apply_chat_template."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from tokenizers import Tokenizer
+
+    from tokendance.model.loader import load_hf_tokenizer
+    from tokendance.reuse.segments import chat_segments
+
+    specials, bos, eos = CHAT_TEMPLATES[template]
+    backend = Tokenizer.from_str(tokenizer.backend_json())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": chat_template, "bos_token": bos, "eos_token": eos,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    ours = load_hf_tokenizer(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = CHAT if template != "mistral" else CHAT[1:]  # Mistral's template refuses system messages
+    text = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(chat) == text
+    segments = chat_segments(ours, chat)
+    assert [t for segment in segments for t in segment] == theirs.encode(text, add_special_tokens=False)
+    assert len(segments) > len(chat)  # cut per message and line, as rounds share them

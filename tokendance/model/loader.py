@@ -102,6 +102,8 @@ def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
     model_path = default_model_path() if path is None else Path(path)
     if model_path.is_file():
         return _gguf_tokenizer(_gguf_metadata(model_path)[1])
+    if (model_path / "config.json").exists():
+        return load_hf_tokenizer(model_path)
     return load_model(model_path).tokenizer
 
 
@@ -200,7 +202,6 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
     from safetensors import safe_open
-    from tokenizers import Tokenizer
 
     try:
         hf = json.loads((path / "config.json").read_text())
@@ -223,19 +224,26 @@ def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
                 if not name.endswith("rotary_emb.inv_freq"):  # older checkpoints kept RoPE's table
                     weights[name] = f.get_tensor(name).to(dtype)
     _check_tensor_names(config, weights, path)
+    return LoadedModel(config, weights, load_hf_tokenizer(path), name=path.name)
+
+
+def load_hf_tokenizer(path: Path) -> ChatTokenizer:
+    """A folder's tokenizer.json and the chat template of its tokenizer_config.json (or
+    chat_template.jinja)."""
+    from tokenizers import Tokenizer
+
     tok_config = _read_json(path / "tokenizer_config.json")
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
-    tokenizer = ChatTokenizer(
+    return ChatTokenizer(
         Tokenizer.from_file(str(path / "tokenizer.json")),
         template,
         bos_token=_token_text(tok_config.get("bos_token")),
         eos_token=_token_text(tok_config.get("eos_token")),
     )
-    return LoadedModel(config, weights, tokenizer, name=path.name)
 
 
 def expected_tensor_names(config: ModelConfig) -> tuple[set[str], set[str]]:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
+from datetime import datetime
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from tokendance.errors import ModelLoadError
 
 GGUF_CONTROL_TOKEN = 3  # llama.cpp token type of special (control) tokens
 
@@ -34,8 +38,13 @@ class ChatTokenizer:
         eos_token: str | None,
     ):
         self._tokenizer = tokenizer
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # As transformers renders chat templates: loop controls, a `tojson` that does not escape
+        # HTML and takes json.dumps' options, `strftime_now` (Llama 3.x templates date the prompt).
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         self._template = env.from_string(chat_template or CHATML_TEMPLATE)
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -75,8 +84,19 @@ class ChatTokenizer:
         )
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+# GGUF `tokenizer.ggml.pre` -> the split before byte-level BPE, as the models' tokenizer.json have it.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+GGUF_PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "qwen2")
 
 
 def tokenizer_from_gguf_metadata(
@@ -86,6 +106,7 @@ def tokenizer_from_gguf_metadata(
     pre_tokenizer: str | None,
 ) -> Tokenizer:
     """A byte-level BPE tokenizer ("gpt2" in GGUF terms) from the vocabulary stored in the file."""
+
     vocab = {token: index for index, token in enumerate(tokens)}
     merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
@@ -94,8 +115,16 @@ def tokenizer_from_gguf_metadata(
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    else:
+    elif pre_tokenizer in ("llama-bpe", "qwen2"):
+        pattern = Regex(LLAMA3_SPLIT if pre_tokenizer == "llama-bpe" else QWEN2_SPLIT)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(pattern, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre_tokenizer in (None, "default", "gpt-2"):
         tokenizer.pre_tokenizer = byte_level
+    else:
+        raise ModelLoadError(f"GGUF pre-tokenizer {pre_tokenizer!r} is not supported ({', '.join(GGUF_PRE_TOKENIZERS)}): "
+                             "load the model's Hugging Face folder instead, which has its tokenizer.json")
     tokenizer.decoder = decoders.ByteLevel()
     specials = [
         AddedToken(token, special=True, normalized=False)

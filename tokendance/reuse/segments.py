@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import jinja2
+
 from tokendance.errors import InvalidRequestError
 from tokendance.model.tokenizer import ChatTokenizer
 
@@ -129,9 +131,7 @@ def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: st
     for i, message in enumerate(messages):
         role = message["role"]
         if role not in trailers:
-            alone = tokenizer.apply_chat_template([{**message, "content": _sentinel(0)}], add_generation_prompt=False)
-            end = alone.find(_sentinel(0))
-            trailers[role] = None if end < 0 else alone[end + len(_sentinel(0)):]
+            trailers[role] = _trailer(tokenizer, message)
         trailer = trailers[role]
         if trailer is None or not between[i + 1].startswith(trailer):
             return None
@@ -141,6 +141,20 @@ def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: st
     if "".join(pieces) != full:  # the template changed a content (trimmed it, say): no cut
         return None
     return pieces
+
+
+def _trailer(tokenizer: ChatTokenizer, message: dict) -> str | None:
+    """What the template puts after a message of this role: rendered alone, or after a user
+    message where the template insists that roles alternate from a user (Mistral's)."""
+    marked = {**message, "content": _sentinel(0)}
+    for conversation in ([marked], [{"role": "user", "content": _sentinel(1)}, marked]):
+        try:
+            rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
+        except jinja2.TemplateError:
+            continue
+        end = rendered.find(_sentinel(0))
+        return None if end < 0 else rendered[end + len(_sentinel(0)):]
+    return None
 
 
 def split_lines(piece: str, content: str) -> list[str]:
