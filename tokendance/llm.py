@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from tokendance.config import EngineConfig
 from tokendance.engine.llm_engine import LLMEngine
-from tokendance.errors import CapacityError, InvalidRequestError
+from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError
 from tokendance.model.loader import LoadedModel
 from tokendance.outputs import RequestOutput
 from tokendance.engine.rounds import RoundResult, RoundRunner
@@ -104,7 +104,7 @@ class LLM:
             for r in range(2):
                 self.run_round(workload.turns(r, history), SamplingParams(temperature=0, max_tokens=3))
                 history.append(workload.synthetic_outputs(r))
-        except CapacityError:  # a pool this small cannot hold the warm-up; nothing to warm then
+        except (CapacityError, ContextLengthError):  # a pool or context this small cannot hold it: nothing to warm
             pass
         finally:
             for agent in workload.agents:

@@ -19,7 +19,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from tokendance.structured import StructuredOutput
+from tokendance.structured import JSON_OPTIONS, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -105,7 +105,8 @@ class Tools:
             # strict arguments: no properties beyond the declared ones (a small model adds some)
             arguments = {"additionalProperties": False, **f["parameters"]}
             schema = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
-                      "required": ["name", "arguments"], "additionalProperties": False}
+                      "required": ["name", "arguments"], "additionalProperties": False,
+                      "x-guidance": JSON_OPTIONS}  # compact JSON, as response_format's
             calls.append(f"%json {json.dumps(schema)}")
         call = f'"{OPEN}" ({" | ".join(calls)}) "{CLOSE}"'
         return StructuredOutput(grammar=f"start: call{'+' if parallel else ''}\ncall: {call}\n")
