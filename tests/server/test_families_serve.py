@@ -1,6 +1,6 @@
 """`tokendance serve --model <folder or GGUF>` for each supported family (random-weight models
-written by transformers, tests/model/families.py): the openai client's chat, a forced tool call and
-a round, answered as for the default model."""
+written by transformers, tests/model/families.py): the openai client's chat, a forced tool call in
+the family's format (streamed and not) and a round, answered as for the default model."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from tests.model.families import FAMILIES, save_tokenizer, write_family, write_g
 
 pytestmark = pytest.mark.model
 
-SERVED = {  # family: served from
-    "qwen2": "folder",
-    "qwen3": "gguf",
-    "llama-3 (llama3 RoPE)": "gguf",
-    "mistral": "folder",
+SERVED = {  # family: (served from, tool-call format)
+    "qwen2": ("folder", "hermes"),
+    "qwen3": ("gguf", "hermes"),
+    "llama-3 (llama3 RoPE)": ("gguf", "llama3_json"),
+    "mistral": ("folder", "mistral"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -29,11 +29,12 @@ def family_server(request, tmp_path_factory, tokenizer, model_weights):
     family = request.param
     folder = tmp_path_factory.mktemp(family.split()[0])
     model = write_family(folder, family, save_tokenizer(tmp_path_factory.mktemp("tokenizer"), tokenizer))
-    path = folder
-    if SERVED[family] == "gguf":
+    path, (source, tool_format) = folder, SERVED[family]
+    if source == "gguf":
         path = folder / f"{family.split()[0]}.gguf"
         write_gguf(path, model, model_weights, "Q8_0")
-    server = Server("--model", str(path), "--gather-window-ms", "0", "--kv-cache-bytes", str(64 << 20))
+    server = Server("--model", str(path), "--gather-window-ms", "0", "--kv-cache-bytes", str(64 << 20),
+                    "--tool-call-format", tool_format)
     yield family, server
     server.stop()
 
@@ -45,12 +46,21 @@ def test_family_serves_chat_tools_and_rounds(family_server):
     messages = [{"role": "system", "content": "You are a villager."}, {"role": "user", "content": "Hello there!"}]
     reply = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens > 0 and reply.choices[0].finish_reason in ("stop", "length")
-    called = client.chat.completions.create(
-        model=server.model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", max_tokens=40, temperature=0)
+    ask = dict(model=server.model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+               tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0)
+    called = client.chat.completions.create(**ask)
     assert called.choices[0].message.tool_calls, called.choices[0]
     call = called.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert called.choices[0].finish_reason == "tool_calls"
+    streamed = {"name": "", "arguments": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        streamed["content"] += delta.content or ""
+        for piece in delta.tool_calls or []:
+            streamed["name"] += piece.function.name or ""
+            streamed["arguments"] += piece.function.arguments or ""
+    assert streamed == {"name": call.function.name, "arguments": call.function.arguments, "content": ""}
     agents = [{"agent_id": f"v{i}", "messages": [
         {"role": "system", "content": f"You are villager {i}."},
         *({"role": "user", "content": f"Villager {j} said: the bridge needs {j + 2} planks."} for j in range(3)),

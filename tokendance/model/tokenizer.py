@@ -45,7 +45,8 @@ class ChatTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-        self._template = env.from_string(chat_template or CHATML_TEMPLATE)
+        self.chat_template = chat_template or CHATML_TEMPLATE  # the source, e.g. to pick a tool-call format
+        self._template = env.from_string(self.chat_template)
         self.bos_token = bos_token
         self.eos_token = eos_token
 

@@ -43,7 +43,9 @@ from tokendance.server.protocol import (
     echo,
 )
 from tokendance.server.replies import chat_response, completion_response, round_response
-from tokendance.server.tools import OPEN, render_messages
+from tokendance.server.tool_formats import FORMATS as TOOL_FORMATS
+from tokendance.server.tool_formats import detect as detect_tool_format
+from tokendance.server.tools import render_messages
 from tokendance.server.responses import (
     ResponseEvents,
     ResponsesRequest,
@@ -102,6 +104,8 @@ class Api:
         self.metrics = metrics
         self.created = int(time.time())
         self._hidden = frozenset(self.engine.model_config.eos_token_ids)  # in logprobs, not in content
+        self.tool_format = (detect_tool_format(llm.tokenizer.chat_template) if config.tool_call_format == "auto"
+                            else TOOL_FORMATS[config.tool_call_format])
 
     # ------------------------------------------------------------ plain routes
 
@@ -173,7 +177,7 @@ class Api:
         if body.prompt_logprobs is not None and (body.agent_id or body.round_id):
             raise ApiError(400, "prompt_logprobs is not served in rounds (agent_id, round_id)",
                            param="prompt_logprobs", code="unsupported_parameter")
-        tools = body.tool_set()
+        tools = body.tool_set(self.tool_format)
         structured, structured_param = body.structured_output()
         if tools is not None and tools.forced:
             if structured is not None:
@@ -181,11 +185,12 @@ class Api:
                                param="tool_choice")
             structured, structured_param = tools.constraint(body.parallel_tool_calls), "tools"
         await self._compile(structured, structured_param)
-        messages = render_messages(body.chat_messages(), tools)
+        messages = render_messages(body.chat_messages(self.tool_format), tools)
         params = body.sampling_params(None, max_tokens=body.max_completion_tokens, structured=structured,
                                       logprobs=body.num_logprobs())
-        if tools is None and (body.tools or any(m.tool_calls for m in body.messages)):
-            params = dataclasses.replace(params, stop=[*params.stop_strings, OPEN])  # no call markup as content
+        marker = self.tool_format.marker
+        if tools is None and marker and (body.tools or any(m.tool_calls for m in body.messages)):
+            params = dataclasses.replace(params, stop=[*params.stop_strings, marker])  # no call markup as content
         namespace = _namespace(request, body.cache_salt)
         sink = Sink(key, body.n)
         if body.n == 1:
@@ -242,7 +247,7 @@ class Api:
             except ApiError as exc:
                 exc.param = f"agents.{i}.{exc.param}"
                 raise
-            messages = [m.as_dict(j) for j, m in enumerate(agent.messages)]
+            messages = [m.as_dict(j, self.tool_format) for j, m in enumerate(agent.messages)]
             structured, structured_param = agent.structured_output()
             if structured is None:
                 structured, structured_param = body.structured_output()

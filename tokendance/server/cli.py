@@ -8,6 +8,7 @@ import os
 import re
 
 from tokendance import registry
+from tokendance.server.tool_formats import TOOL_CALL_FORMATS
 
 SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -55,6 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine requests in flight (each prompt x choice, each agent of a /v1/rounds counts one); "
              "a request that would pass this is answered 429; one larger than it counts as half of it")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
+    add("--tool-call-format", default="auto", choices=["auto", *TOOL_CALL_FORMATS],
+        help="how the model writes tool calls (auto: from its chat template; hermes: <tool_call> blocks, Qwen's and "
+             "the generic one; llama3_json: Llama 3.1+ JSON calls; mistral: [TOOL_CALLS])")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="server log level")
     add("--replicas", type=int, default=1,
@@ -104,6 +108,7 @@ def server_config(args: argparse.Namespace, model_name: str | None):
         round_timeout_s=args.round_timeout_ms / 1000,
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
+        tool_call_format=args.tool_call_format,
     )
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokendance.errors import InvalidRequestError
+from tokendance.server.tool_formats import TOOL_CALL_FORMATS
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """`gather_window_s` 0 disables transparent rounds; `round_timeout_s` bounds the wait of a
     declared round (`round_id` + `round_size`) for its missing members. Each of `api_keys` is a
-    tenant: its requests' cache namespace is scoped by the key (none: no key is required)."""
+    tenant: its requests' cache namespace is scoped by the key (none: no key is required).
+    `tool_call_format`: "auto" (from the model's chat template) or a name of TOOL_CALL_FORMATS."""
 
     model_name: str
     api_keys: tuple[str, ...] = ()
@@ -19,6 +21,7 @@ class ServerConfig:
     round_timeout_s: float = 2.0
     max_concurrent_requests: int = 1024
     max_body_bytes: int = 8 * 2**20
+    tool_call_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.gather_window_s < 0 or self.round_timeout_s < 0:
@@ -27,3 +30,5 @@ class ServerConfig:
             raise InvalidRequestError("an API key must not be empty")
         if self.max_concurrent_requests < 1 or self.max_body_bytes < 1:
             raise InvalidRequestError("max_concurrent_requests and max_body_bytes must be >= 1")
+        if self.tool_call_format not in ("auto", *TOOL_CALL_FORMATS):
+            raise InvalidRequestError(f"tool_call_format must be auto or one of {', '.join(TOOL_CALL_FORMATS)}")

@@ -21,7 +21,8 @@ from tokendance.errors import (
     TokenDanceError,
 )
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from tokendance.server.tools import ToolError, Tools, render_tool_calls
+from tokendance.server.tool_formats import ToolFormat
+from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
 from tokendance.structured import StructuredOutput
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -198,7 +199,7 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None  # a tool result's call
     name: StrictStr | None = None
 
-    def as_dict(self, index: int) -> dict[str, str]:
+    def as_dict(self, index: int, tool_format: ToolFormat = HERMES) -> dict[str, str]:
         if self.role not in ROLES:
             raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}",
                            param=f"messages.{index}.role")
@@ -209,7 +210,7 @@ class ChatMessage(BaseModel):
             content = "".join(p["text"] for p in content)
         if self.role == "assistant" and self.tool_calls:
             try:
-                content = (content or "") + render_tool_calls(self.tool_calls, f"messages.{index}.tool_calls")
+                content = (content or "") + render_tool_calls(self.tool_calls, f"messages.{index}.tool_calls", tool_format)
             except (ToolError, ValueError) as exc:
                 raise ApiError(400, str(exc), param=getattr(exc, "param", f"messages.{index}.tool_calls"),
                                code="invalid_value") from None
@@ -237,12 +238,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+    def chat_messages(self, tool_format: ToolFormat = HERMES) -> list[dict[str, str]]:
+        return [m.as_dict(i, tool_format) for i, m in enumerate(self.messages)]
 
-    def tool_set(self) -> Tools | None:
+    def tool_set(self, tool_format: ToolFormat = HERMES) -> Tools | None:
         try:
-            return Tools.from_request(self.tools, self.tool_choice)
+            return Tools.from_request(self.tools, self.tool_choice, tool_format)
         except ToolError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from tokendance.outputs import RequestOutput
 from tokendance.server.protocol import ApiError, ChatCompletionRequest, Number
 from tokendance.server.replies import chat_message
-from tokendance.server.tool_stream import ToolCallStream
+from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools
 
 UNSUPPORTED = {  # field -> values that are fine (the defaults); anything else is a 400
@@ -242,7 +242,7 @@ class ResponseEvents:
 
     def __init__(self, key: str, body: ResponsesRequest, tools: Tools | None):
         self.key, self.body, self.created = key, body, int(time.time())
-        self.calls = ToolCallStream(tools) if tools is not None else None
+        self.calls = tool_stream(tools) if tools is not None else None
         self.items: list[dict] = []
         self.open = False
         self.sequence = 0

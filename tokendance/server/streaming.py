@@ -12,7 +12,7 @@ from tokendance.outputs import RequestOutput
 from tokendance.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from tokendance.server.replies import TokenText, chat_logprobs, completion_logprobs, sse, usage
 from tokendance.server.sink import Sink
-from tokendance.server.tool_stream import ToolCallStream
+from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools
 
 
@@ -88,7 +88,7 @@ def chat_chunks(key: str, model: str, sink: Sink, body: ChatCompletionRequest, t
         if tools is None:
             delta = {"content": text} if text else {}
         else:
-            stream = streams.setdefault(index, ToolCallStream(tools))
+            stream = streams.setdefault(index, tool_stream(tools))
             delta = stream.feed(text, output.finished)
             if not delta and not output.finished and not logprobs:
                 return []  # held back: it may be the start of a call

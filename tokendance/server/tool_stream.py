@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from tokendance.server.tools import CLOSE, OPEN, Tools, tool_call
+from tokendance.server.tools import CLOSE, OPEN, Tools, parse_tool_calls, tool_call
 
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*\{')
 
@@ -156,3 +156,68 @@ def merge(calls: list[dict]) -> list[dict]:
         else:
             entry["function"]["arguments"] += call["function"]["arguments"]
     return list(merged.values())
+
+
+def tool_stream(tools: Tools) -> "ToolCallStream | HeldCallStream":
+    """The stream for the tools' format: hermes calls stream as they are written; the others are
+    held from where they start and sent whole when the reply ends."""
+    return ToolCallStream(tools) if tools.format.name == "hermes" else HeldCallStream(tools)
+
+
+class HeldCallStream:
+    """A reply in a format without closing tags (`llama3_json`, `mistral`). Content streams until
+    the calls may have started: the format's marker (a tail that may begin it is held back), or
+    for `llama3_json` a reply whose first text is `{` or the python tag; from there the text is
+    held and parsed when the reply ends (calls, or content if it holds none)."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.text, self.done = "", 0
+        self.start: int | None = None  # where the held calls begin
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool) -> dict:
+        self.text += text
+        content = ""
+        if self.start is None:
+            start, safe = self._find_start()
+            if start is not None:
+                content, self.start = self.text[self.done:start].rstrip(), start
+                self.done = start
+            else:
+                end = len(self.text) if finished else safe
+                content, self.done = self.text[self.done:end], max(self.done, end)
+        delta = {"content": content} if content else {}
+        if finished and self.start is not None:
+            content, calls = parse_tool_calls(self.text[self.start:], self.tools)
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                self.num_calls = len(calls)
+            elif content:
+                delta["content"] = delta.get("content", "") + content
+        return delta
+
+    def _find_start(self) -> tuple[int | None, int]:
+        """(where the calls start or None, how far the text is surely content)."""
+        marker = self.tools.format.marker
+        if marker is not None:
+            found = self.text.find(marker, self.done)
+            if found >= 0:
+                return found, found
+            for size in range(min(len(marker) - 1, len(self.text)), 0, -1):
+                if marker.startswith(self.text[-size:]):
+                    return None, len(self.text) - size
+            return None, len(self.text)
+        stripped = self.text.lstrip()  # llama3_json: only a reply that is a call
+        if self.done > 0 or (stripped and not _may_open_call(stripped)):
+            return None, len(self.text)
+        if stripped.startswith(("{", PYTHON_TAG)):
+            return len(self.text) - len(stripped), 0
+        return None, 0  # whitespace, or a beginning of the python tag: undecided
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _may_open_call(text: str) -> bool:
+    return text.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(text)

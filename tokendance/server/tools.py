@@ -1,13 +1,15 @@
-"""Tool calling over models whose chat template knows no tools (SmolLM2's ChatML among them).
+"""Tool calling: a request's `tools` and `tool_choice`, in the model family's call format
+(server/tool_formats.py: `hermes`, `llama3_json`, `mistral`).
 
-The generic format, documented in the README: the tool definitions go into one system message
-placed first (identical for every agent that has the same tools, so it is a shared span like any
-other message), and the model calls a tool by answering
+The tool definitions go into one system message placed first (identical for every agent that has
+the same tools, so it is a shared span like any other message) that describes the format, and the
+model calls a tool by answering in it, e.g. in the `hermes` format (Qwen's, and the generic one
+for models whose template knows no tools, SmolLM2's among them)
 
     <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
 
 (several such blocks for parallel calls). With `tool_choice` "auto" the reply is free and parsed;
-with "required" or a named function the reply is grammar-constrained to exactly such blocks, so
+with "required" or a named function the reply is grammar-constrained to exactly such calls, so
 it always parses. An assistant message's `tool_calls` are written back in the same format, and
 `role: "tool"` results are passed to the template as they are.
 """
@@ -17,18 +19,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tokendance.server.tool_formats import FORMATS, Hermes, ToolFormat
 from tokendance.structured import JSON_OPTIONS, StructuredOutput
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-PREAMBLE = (
-    "You can call the following tools. To call one, answer with its name and arguments as JSON "
-    f"inside {OPEN}{CLOSE} tags, for example:\n"
-    f'{OPEN}{{"name": "tool_name", "arguments": {{"arg": "value"}}}}{CLOSE}\n'
-    "Tools:\n"
-)
+OPEN, CLOSE = Hermes.OPEN, Hermes.CLOSE
+HERMES = FORMATS["hermes"]
 
 
 class ToolError(ValueError):
@@ -43,9 +40,10 @@ class ToolError(ValueError):
 class Tools:
     functions: list[dict]  # {"name", "description", "parameters"} per tool
     choice: str | None  # "auto" | "required" | a function's name (forced)
+    format: ToolFormat = field(default=HERMES)
 
     @classmethod
-    def from_request(cls, tools, tool_choice) -> Tools | None:
+    def from_request(cls, tools, tool_choice, format: ToolFormat = HERMES) -> Tools | None:
         """None when the request has no tools or `tool_choice` is "none"."""
         if tool_choice is not None and not (tool_choice in ("none", "auto", "required") or isinstance(tool_choice, dict)):
             raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", ...}',
@@ -84,15 +82,18 @@ class Tools:
             if not isinstance(name, str) or name not in names:
                 raise ToolError("tool_choice names no tool of this request", "tool_choice")
             choice = name
-        return cls(functions, choice)
+        return cls(functions, choice, format)
 
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
 
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
+
     def system_message(self) -> dict:
-        lines = [json.dumps(f, ensure_ascii=False) for f in self.functions]
-        return {"role": "system", "content": PREAMBLE + "\n".join(lines)}
+        return {"role": "system", "content": self.format.preamble(self.functions)}
 
     def constraint(self, parallel: bool) -> StructuredOutput | None:
         """For a forced choice: the reply is one call (or, with `parallel`, several) of the
@@ -100,16 +101,14 @@ class Tools:
         if not self.forced:
             return None
         allowed = [f for f in self.functions if self.choice in ("required", f["name"])]
-        calls = []
+        schemas = []
         for f in allowed:
             # strict arguments: no properties beyond the declared ones (a small model adds some)
             arguments = {"additionalProperties": False, **f["parameters"]}
-            schema = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
-                      "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": JSON_OPTIONS}  # compact JSON, as response_format's
-            calls.append(f"%json {json.dumps(schema)}")
-        call = f'"{OPEN}" ({" | ".join(calls)}) "{CLOSE}"'
-        return StructuredOutput(grammar=f"start: call{'+' if parallel else ''}\ncall: {call}\n")
+            schemas.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+                            "required": ["name", "arguments"], "additionalProperties": False,
+                            "x-guidance": JSON_OPTIONS})  # compact JSON, as response_format's
+        return StructuredOutput(grammar=self.format.grammar(schemas, parallel))
 
 
 def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:
@@ -118,9 +117,9 @@ def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:
     return ([tools.system_message()] if tools else []) + messages
 
 
-def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls") -> str:
+def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls", format: ToolFormat = HERMES) -> str:
     """An assistant message's earlier calls in the call format; ToolError if one is malformed."""
-    parts = []
+    calls = []
     for i, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -131,39 +130,26 @@ def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls") -> str:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
             pass  # written back as the string it was
-        parts.append(OPEN + json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
-                     + CLOSE)
-    return "".join(parts)
+        calls.append((function["name"], arguments))
+    return format.render(calls)
 
 
 def parse_tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """(content outside the calls or None, OpenAI tool_calls) of a reply; whitespace next to a
-    call is dropped. A block that is not a call of a known tool with object arguments stays in
-    the content."""
-    calls, kept, last = [], [], 0
-    for match in CALL.finditer(text):
-        call = tool_call(match.group(1), tools)
-        if call is None:
-            continue
-        kept.append(text[last:match.start()].rstrip())
-        last = match.end()
-        while last < len(text) and text[last].isspace():
-            last += 1
-        calls.append(call)
-    kept.append(text[last:])
-    content = "".join(kept)
-    return (content or None) if calls else text, calls
+    call is dropped. Text that is not a call of a known tool with object arguments stays content."""
+    parsed = tools.format.parse(text, tools.names)
+    if parsed is None:
+        return text, []
+    content, calls = parsed
+    return content, [openai_call(name, arguments) for name, arguments in calls]
 
 
 def tool_call(body: str, tools: Tools) -> dict | None:
-    """The OpenAI tool call written in a block's body, or None if it is not a known tool's call."""
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or call.get("name") not in {f["name"] for f in tools.functions}:
-        return None
-    if not isinstance(call.get("arguments", {}), dict):
-        return None
+    """The OpenAI tool call written in a hermes block's body, or None if it is not a known tool's call."""
+    parsed = HERMES.parse(OPEN + body + CLOSE, tools.names)
+    return None if parsed is None else openai_call(*parsed[1][0])
+
+
+def openai_call(name: str, arguments: dict) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
