@@ -237,6 +237,24 @@ def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode):
         assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
 
 
+def test_a_queued_round_whose_agents_all_left_ends_aborted(make_llm):
+    """A round waiting behind another, whose clients all leave before it starts, ends as aborted
+    (not failed on an empty list of waves); the round before it completes, and the left round
+    keeps nothing."""
+    llm = make_llm(reuse="tokendance")
+    first = llm.rounds.submit(round_turns(1), PARAMS)
+    queued = llm.rounds.submit(round_turns(1, namespace="left"), PARAMS)
+    assert all(llm.rounds.abort(agent, queued) is None for agent in AGENTS)  # none had started
+    while not (first.done and queued.done):
+        llm.engine.step()
+    assert isinstance(queued.error, RoundAborted)
+    assert [o.agent_id for o in llm.rounds.collect(first).outputs] == AGENTS
+    assert sorted(llm.rounds.sessions()) == sorted(AGENTS)  # the first round's, and none of the left one
+    for agent in AGENTS:
+        llm.end_agent(agent)
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
+
+
 def test_ending_an_agent_during_its_round_drops_its_session_after_the_round(make_llm):
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
     answers = []

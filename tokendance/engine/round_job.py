@@ -357,6 +357,9 @@ class RoundJob:
 
     def _finish_round(self) -> None:
         waves = [w for w in self._done_waves if w.stats is not None]
+        if not waves:  # every agent left before the round started
+            self.fail(RoundAborted("every agent of the round was aborted before it started"))
+            return
         outputs = [self.outputs[r.request_id] for r in self.requests]
         started = self.started or time.perf_counter()
         if len(waves) == 1:
