@@ -36,3 +36,11 @@ def test_fidelity_presets_set_the_reuse_knobs():
     assert error.value.param == "fidelity"
     with pytest.raises(InvalidRequestError, match="^fidelity must be one of exact, floor, fast"):
         EngineConfig(fidelity="perfect")
+
+
+def test_batch_invariant_with_a_reuse_mode_that_is_not_says_so():
+    from tokendance.config import EngineConfig
+
+    assert EngineConfig(batch_invariant=True, reuse="tokendance").warnings  # rounds depend on the round
+    assert EngineConfig(batch_invariant=True, reuse="prefix").warnings == []
+    assert EngineConfig(reuse="tokendance").warnings == []

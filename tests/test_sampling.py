@@ -140,3 +140,33 @@ def test_prompt_logprobs_are_teacher_forced_and_computed_whole(make_llm, hf_mode
             assert entry.top[0][0] == best.indices[0].item()
     with pytest.raises(InvalidRequestError, match="^prompt_logprobs "):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e-38, 1e300])
+def test_penalties_beyond_float32_are_sampled_safely(penalty):
+    """A repetition_penalty that is 0 or inf in float32 sends seen tokens to the bottom or top
+    without inf - inf: finite logits, a valid token for greedy and sampled rows alike."""
+    from tokendance.sampling import Sampler
+
+    generator = torch.Generator().manual_seed(1)
+    vocab = 50
+    logits = torch.randn(2, vocab, generator=generator) * 5
+    params = [SamplingParams(temperature=0, repetition_penalty=penalty, min_tokens=3),
+              SamplingParams(temperature=0.8, seed=7, repetition_penalty=penalty, min_tokens=3)]
+    histories = [TokenHistory(list(range(0, 20)), [21, 22], [0])] * 2
+    adjusted = adjust_logits(logits, params, histories, [0, 1])
+    assert not adjusted.isnan().any() and not adjusted.isposinf().any()
+    tokens = Sampler("cpu").sample(logits, ["a", "b"], params, histories)
+    assert all(0 < t < vocab for t in tokens)  # EOS (0) held back by min_tokens
+
+
+def test_min_tokens_yield_to_a_constraint_that_can_only_end(llm_fp32):
+    """min_tokens beyond what a constraint allows: once the constraint can only end, it ends (the
+    reply is what the constraint allows, never a token it forbids)."""
+    from tokendance.structured import StructuredOutput
+
+    for temperature in (0, 0.8):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=30, min_tokens=20,
+                                structured=StructuredOutput(regex="ab|cd"))
+        output = llm_fp32.generate(["Say ab or cd:"], params)[0]
+        assert output.text in ("ab", "cd") and output.finish_reason == "stop"

@@ -11,6 +11,7 @@ from tokendance.errors import InvalidRequestError
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 
 
+BATCH_INVARIANT_REUSE = ("full", "prefix")  # the reuse modes whose rounds batch_invariant covers
 BATCH_INVARIANT_CHUNK = 256  # batch_invariant: prompt chunks end at multiples of this (or at the prompt's end)
 
 
@@ -81,6 +82,14 @@ class EngineConfig:
                 raise InvalidRequestError(f"fidelity={self.fidelity!r} sets {name}={value!r}; it cannot be "
                                           f"{given!r} too (drop one of them)", "fidelity")
             object.__setattr__(self, name, value)
+
+    @property
+    def warnings(self) -> list[str]:
+        """Settings that do not do all they seem to."""
+        if self.batch_invariant and self.reuse not in BATCH_INVARIANT_REUSE:
+            return [f"batch_invariant holds for reuse {' and '.join(BATCH_INVARIANT_REUSE)}; rounds with reuse "
+                    f"{self.reuse!r} are not batch-invariant (reused KV depends on the round by design)"]
+        return []
 
     @property
     def fidelity_name(self) -> str:

@@ -13,6 +13,8 @@ import torch
 from tokendance.errors import InvalidRequestError
 from tokendance.structured import GrammarCompiler, Guide, StructuredOutput, allowed_tokens
 
+LOGIT_LIMIT = 1e30  # adjusted and scaled logits stay below: softmax never sees inf - inf
+
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per prompt
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI defines them
@@ -202,7 +204,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
     biases = [p.logit_bias or {} for p in params]
     sub.view(-1).index_add_(0, flat(biases), torch.tensor([b for bias in biases for t, b in bias.items() if t < vocab],
                                                           dtype=sub.dtype, device=out.device))
-    penalty = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
+    # A penalty beyond float32's range would make inf or nan (1e-300 is 0 there): clamped to where
+    # it already sends every seen token to the top or bottom.
+    penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64, device=out.device)[:, None]
+    penalty = penalty.clamp(1 / LOGIT_LIMIT, LOGIT_LIMIT).to(sub.dtype)
     if bool((penalty != 1).any()):
         seen = torch.zeros_like(sub, dtype=torch.bool)
         seen.view(-1)[flat([(*h.prompt_token_ids, *h.output_token_ids) for h in histories])] = True
@@ -212,7 +217,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
     counts.view(-1).index_add_(0, outputs, torch.ones(len(outputs), dtype=sub.dtype, device=out.device))
     frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=out.device)[:, None]
-    out[index] = sub - frequency * counts - presence * (counts > 0)
+    out[index] = (sub - frequency * counts - presence * (counts > 0)).clamp(max=LOGIT_LIMIT)
     return out
 
 
@@ -244,7 +249,7 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
         histories: Sequence[TokenHistory | None] = (),
     ) -> list[int]:  # logits: [B, vocab]; histories: one per row whose params adjust logits
-        adjusted = [row for row, p in enumerate(params) if p.adjusts_logits]
+        adjusted, raw = [row for row, p in enumerate(params) if p.adjusts_logits], logits
         if adjusted:
             logits = adjust_logits(logits, [params[r] for r in adjusted], [histories[r] for r in adjusted], adjusted)
         guides = [self._guide(request_id, p) for request_id, p in zip(request_ids, params)]
@@ -252,6 +257,9 @@ class Sampler:
         if guided:  # one bitmask for all guided rows, applied to a copy of those rows
             allowed = allowed_tokens([guides[row] for row in guided], logits.shape[-1])
             masked = logits[guided].masked_fill(~allowed, float("-inf"))
+            dead = torch.isneginf(masked).all(dim=-1)
+            if bool(dead.any()):  # min_tokens holds back the only tokens the constraint allows: the constraint wins
+                masked[dead] = raw[guided][dead].to(masked.dtype).masked_fill(~allowed[dead], float("-inf"))
         # max().indices: same choice as argmax, measured 5x faster on bf16 rows on CPU
         tokens = logits.max(dim=-1).indices.tolist()
         if guided:
@@ -300,7 +308,7 @@ class Sampler:
         return guide
 
     def _sample_row(self, logits: torch.Tensor, request_id: str, p: SamplingParams) -> int:
-        logits = logits.float() / p.temperature
+        logits = (logits.float() / p.temperature).clamp(max=LOGIT_LIMIT)  # a tiny temperature: no inf - inf
         if p.top_k > 0 and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -63,7 +63,7 @@ def test_health_models_and_metrics(server):
                "native_bf16": cpu.native_bf16}
     assert json.loads(server.request("GET", "/health")[2]) == {"status": "ok", **machine, "reuse": "tokendance",
                                                                "recompute_ratio": 0.05, "fidelity": "fast",
-                                                               "batch_invariant": False}
+                                                               "batch_invariant": False, "warnings": []}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model]
     assert {k: models.data[0].model_extra[k] for k in machine} == machine
@@ -268,6 +268,40 @@ def test_cache_salt_isolates_tenants(server):
     assert cached() == 0
 
 
+def test_per_agent_cache_salts_isolate_agents_of_one_round(server):
+    """An agent object's own cache_salt puts its session (and its prefix-cache reads and writes) in
+    that salt's namespace: deleting it needs that salt; its shared messages are not shared with
+    the round's other namespace; a per-agent model is refused, naming the field."""
+    own, common = salt(), salt()
+    agents = [{"agent_id": "iso-0", "messages": villager(0), "cache_salt": own},
+              {"agent_id": "iso-1", "messages": villager(1)}, {"agent_id": "iso-2", "messages": villager(2)}]
+    status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents, "max_tokens": 2,
+                                              "temperature": 0, "cache_salt": common})
+    assert status == 200, body
+    assert server.request("DELETE", f"/v1/agents/iso-0?cache_salt={common}")[0] == 404
+    assert server.request("DELETE", f"/v1/agents/iso-0?cache_salt={own}")[0] == 200
+    assert server.request("DELETE", f"/v1/agents/iso-1?cache_salt={own}")[0] == 404
+    assert server.request("DELETE", f"/v1/agents/iso-1?cache_salt={common}")[0] == 200
+    cached = {o["agent_id"]: o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in body["outputs"]}
+    assert cached["iso-0"] == 0  # nothing of the other namespace's KV reached it
+    agents[1]["model"] = "gpt-4"
+    status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "agents.1.model"
+
+
+def test_a_forced_call_cut_short_leaks_no_markup(server):
+    """tool_choice "required" with too few tokens for the call: no content (it would be the
+    call's markup), finish_reason "length", streamed and not."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    fields = dict(model=server.model, messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                  tool_choice="required", max_tokens=1)
+    reply = server.client().chat.completions.create(**fields)
+    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason == "length"
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in server.client().chat.completions.create(
+        **fields, stream=True) if chunk.choices)
+    assert streamed == ""
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -344,7 +378,7 @@ def test_hostile_values_fail_alone(server):
     status, error = server.post("/v1/rounds", {"model": server.model, "max_tokens": 2, "agents": [
         {"agent_id": "ok", "messages": [{"role": "user", "content": "hi"}]},
         {"agent_id": "bad", "messages": [{"role": "user", "content": "\ud800"}]}]})
-    assert status == 400 and error["error"]["param"] == "messages.0.content"
+    assert status == 400 and error["error"]["param"] == "agents.1.messages.0.content"
     assert server.request("GET", "/health")[0] == 200
 
 

@@ -152,6 +152,10 @@ class LLMEngine:
         if any(t >= self.model_config.vocab_size for t in params.logit_bias or ()):
             raise InvalidRequestError(f"logit_bias names token ids beyond the vocabulary ({self.model_config.vocab_size})",
                                       "logit_bias")
+        choices = params.structured.choice if params.structured is not None else None
+        if choices and params.min_tokens > max(len(c.encode()) for c in choices):  # a token spells >= 1 byte
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) is more than any guided_choice can be "
+                                      f"({max(len(c.encode()) for c in choices)} bytes)", "min_tokens")
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens; the context window is {self.max_model_len} "

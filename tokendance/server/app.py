@@ -114,7 +114,7 @@ class Api:
             return JSONResponse({"status": "engine stopped", "error": str(self.loop.error)}, status_code=503)
         c = self.engine.config
         return {"status": "ok", **self._machine(), "reuse": c.reuse, "recompute_ratio": c.recompute_ratio,
-                "fidelity": c.fidelity_name, "batch_invariant": c.batch_invariant}
+                "fidelity": c.fidelity_name, "batch_invariant": c.batch_invariant, "warnings": c.warnings}
 
     async def metrics_text(self):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -192,7 +192,7 @@ class Api:
         if tools is None and marker and (body.tools or any(m.tool_calls for m in body.messages)):
             params = dataclasses.replace(params, stop=[*params.stop_strings, marker])  # no call markup as content
         namespace = _namespace(request, body.cache_salt)
-        sink = Sink(key, body.n)
+        sink = Sink(key, body.n, constraint_param=structured_param)
         if body.n == 1:
             prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
             turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
@@ -222,7 +222,7 @@ class Api:
                      for i, p in enumerate(prompts) for c in range(n)],
             "prompt",
         )
-        sink = Sink(key, len(requests))
+        sink = Sink(key, len(requests), constraint_param=structured_param)
         self.loop.submit(GenerateJob(requests, sink, share_prompt=n > 1))
         if body.stream:
             render, tail = completion_chunks(key, self.config.model_name, body, self._token_text, self._hidden)
@@ -244,20 +244,21 @@ class Api:
         for i, agent in enumerate(body.agents):
             try:
                 agent.check_supported()
+                messages = [m.as_dict(j, self.tool_format) for j, m in enumerate(agent.messages)]
             except ApiError as exc:
                 exc.param = f"agents.{i}.{exc.param}"
                 raise
-            messages = [m.as_dict(j, self.tool_format) for j, m in enumerate(agent.messages)]
             structured, structured_param = agent.structured_output()
             if structured is None:
                 structured, structured_param = body.structured_output()
             await self._compile(structured, structured_param and f"agents.{i}.{structured_param}")
             params = body.sampling_params(None, structured=structured,
                                           **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
-            prepared = await self._validate(lambda: self._chat_request(messages, params, f"{key}-{i}", namespace),
-                                            f"agents.{i}.messages")
+            agent_namespace = _namespace(request, agent.cache_salt) if agent.cache_salt else namespace
+            prepared = await self._validate(
+                lambda: self._chat_request(messages, params, f"{key}-{i}", agent_namespace), f"agents.{i}.messages")
             turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i,
-                                  namespace=namespace, agent_id=agent.agent_id))
+                                  namespace=agent_namespace, agent_id=agent.agent_id))
         self.loop.submit(RoundJob(turns))
         outputs = await self._collect(request, sink, started)
         info = {k: v for k, v in sink.round_info[0].items() if k != "agent_id"}

@@ -30,6 +30,7 @@ from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
 from tokendance.server.routing import agent_key
 from tokendance.server.sink import Sink
+from tokendance.structured import StructuredOutputError
 
 log = logging.getLogger("tokendance.server")
 
@@ -259,8 +260,14 @@ class EngineLoop:
             del self._routes[output.request_id]
             self.metrics.record_finished(output)
         if output.finish_reason == "error" and not route.sink.wants_stats:  # its computation raised: it alone fails
-            route.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
-            return  # (an agent of a /v1/rounds request: its entry of the round's answer carries the error)
+            if not (output.error or "").startswith(StructuredOutputError.__name__):
+                route.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
+                return  # (an agent of a /v1/rounds request: its entry of the round's answer carries the error)
+            if output.num_generated_tokens == 0:  # a constraint that compiled but cannot be followed: the input's
+                message = output.error.split(": ", 1)[-1]
+                route.sink.fail(ApiError(400, f"the output constraint cannot be followed: {message}",
+                                         param=route.sink.constraint_param, code="invalid_value"))
+                return  # (after some tokens the reply ends there, with finish_reason "error")
         route.sink.put(route.index, output, route.round_info)
 
     def _abort(self, sink: Sink) -> None:

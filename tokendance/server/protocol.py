@@ -275,10 +275,16 @@ class RoundAgent(SamplingFields):
 
     agent_id: StrictStr = Field(min_length=1, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
+    # The agent's own tenancy: its session and prefix-cache reads and writes in this salt's
+    # namespace; shared spans are reused only among the round's agents of one namespace.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
 
     def check_supported(self) -> None:
         super().check_supported()
         reject_round_fields(self)
+        if (self.model_extra or {}).get("model") is not None:
+            raise ApiError(400, "model cannot differ per agent: a round runs on the request's model", param="model",
+                           code="unsupported_parameter")
 
 
 def reject_round_fields(body: SamplingFields) -> None:

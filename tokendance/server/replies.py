@@ -77,6 +77,8 @@ def chat_message(output: RequestOutput, tools: Tools | None) -> tuple[dict, str 
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             return message, "tool_calls" if output.finish_reason == "stop" else output.finish_reason
+        if tools.forced:  # cut before its call was complete: what there is is markup, not content
+            message["content"] = None
     return message, output.finish_reason
 
 

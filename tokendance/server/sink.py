@@ -17,8 +17,9 @@ class Sink:
     `closed` (set by the event loop when the client is gone) makes the engine drop its outputs.
     """
 
-    def __init__(self, key: str, num_choices: int, wants_stats: bool = False):
+    def __init__(self, key: str, num_choices: int, wants_stats: bool = False, constraint_param: str | None = None):
         self.key = key
+        self.constraint_param = constraint_param  # the field of the request's output constraint, for its errors
         self.num_choices = num_choices
         self.wants_stats = wants_stats  # a /v1/rounds request: done once the round's stats arrived
         self.loop = asyncio.get_running_loop()

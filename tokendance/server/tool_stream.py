@@ -67,7 +67,7 @@ class ToolCallStream:
         while self._content(content, finished) if self.block is None else self._call(content, calls, finished):
             pass
         text = "".join(content)
-        delta = {"content": text} if text else {}
+        delta = {"content": text} if text and not self.tools.forced else {}  # forced: only ever call markup
         if calls:
             delta["tool_calls"] = merge(calls)
         return delta
@@ -195,6 +195,8 @@ class HeldCallStream:
                 self.num_calls = len(calls)
             elif content:
                 delta["content"] = delta.get("content", "") + content
+        if self.tools.forced:  # only ever call markup
+            delta.pop("content", None)
         return delta
 
     def _find_start(self) -> tuple[int | None, int]:

@@ -128,6 +128,9 @@ def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls", format:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except RecursionError:
+            raise ToolError(f"{param}[{i}].function.arguments nests too deeply", f"{param}.{i}.function.arguments") \
+                from None
         except ValueError:
             pass  # written back as the string it was
         calls.append((function["name"], arguments))
