@@ -255,6 +255,34 @@ def test_a_queued_round_whose_agents_all_left_ends_aborted(make_llm):
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
+def test_a_round_in_waves_whose_client_left_stops_and_keeps_nothing(make_llm):
+    """A /v1/rounds client leaving a round that runs in waves, after its first wave finished: the
+    engine ends every agent (none got its reply) and aborts them; the round stops within a step
+    (its later waves never start) and keeps no session, not even of the agents that had finished."""
+    turns = round_turns(3)
+    probe = make_llm(dtype="float32")
+    longest = max(len(probe.tokenizer.encode(probe.render_chat(t.messages))) for t in turns) + PARAMS.max_tokens
+    bytes_per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads x 64, float32
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0,
+                   kv_cache_bytes=int(2.6 * longest * bytes_per_token))  # four tables do not fit at once
+    job = llm.rounds.submit(turns, PARAMS)
+    while not llm.rounds.sessions() and not job.done:  # until the first wave ended and kept its sessions
+        llm.engine.step()
+    assert llm.rounds.sessions() and not job.done
+    for agent in AGENTS:  # what the server does when the client of a /v1/rounds request leaves
+        llm.end_agent(agent)
+        llm.rounds.abort(agent, job)
+    steps = 0
+    while not job.done:
+        llm.engine.step()
+        steps += 1
+    assert steps <= 1
+    outputs = job.outputs.values() if job.error else llm.rounds.collect(job).outputs
+    assert sum(o.finish_reason == "abort" for o in outputs) > 0
+    assert llm.rounds.sessions() == {}
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
+
+
 def test_ending_an_agent_during_its_round_drops_its_session_after_the_round(make_llm):
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
     answers = []

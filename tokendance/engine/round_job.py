@@ -181,7 +181,13 @@ class RoundJob:
             if request.request_id not in self._released or request.request_id in self.outputs:
                 self.kv.free(request.request_id)
         self.policy.end_round()
+        self._drop_ending_sessions()
         self.error = error
+
+    def _drop_ending_sessions(self) -> None:
+        """Agents ended during the round keep no session, whichever wave kept one."""
+        for agent_id in self.ending:
+            self.kv.free(SessionKey(agent_id))
 
     # ------------------------------------------------------------ aborts (from the runner)
 
@@ -304,11 +310,12 @@ class RoundJob:
         self._prefill, self._pending, self._agents = None, None, {}
 
     def _all_abandoned(self) -> bool:
-        """Every agent was aborted (before or after it started): the round stops in its preparation."""
+        """No client waits for an agent still to come (each left, before or after its agent
+        started, or has its output): the round stops in its preparation, whatever wave it is in."""
         if not self.abandoned:  # (an agent not yet started is abandoned when it leaves: none left)
             return False
-        aborted = {o.agent_id for o in self.outputs.values() if o.finish_reason == "abort"}
-        if any(agent not in self.abandoned and agent not in aborted for agent in self._by_agent):
+        if any(agent not in self.abandoned and self.requests[i].request_id not in self.outputs
+               for agent, i in self._by_agent.items()):
             return False
         self.fail(RoundAborted("every agent of the round was aborted"))
         return True
@@ -370,6 +377,7 @@ class RoundJob:
         stats.num_agents = len(outputs)
         stats.first_token_seconds = min((o.first_token_time for o in outputs if o.first_token_time),
                                         default=started) - started
+        self._drop_ending_sessions()
         self.result = RoundResult(outputs, stats)
 
     def _unstarted_output(self, request: Request, reason: str) -> RequestOutput:

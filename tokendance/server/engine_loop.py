@@ -272,6 +272,10 @@ class EngineLoop:
 
     def _abort(self, sink: Sink) -> None:
         self.gatherer.remove(sink.key)
+        if sink.wants_stats:  # a /v1/rounds client left: none of its agents got a reply, none keeps a session
+            for turns, agent_ids in [entry for entry in self._rounds.values() if entry[0][0].sink is sink]:
+                for agent_id in agent_ids:
+                    self.llm.end_agent(agent_id)
         for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
             del self._routes[request_id]
             if request_id in self._round_agents:  # the round goes on without it
@@ -320,6 +324,9 @@ class EngineLoop:
             try:
                 result = self.llm.rounds.collect(job)
             except RoundAborted:
+                self.metrics.inc("tokendance_rounds_aborted_total")
+                continue
+            if all(t.sink.closed for t in turns):  # it ended as its clients left: nobody got it
                 self.metrics.inc("tokendance_rounds_aborted_total")
                 continue
             except Exception as exc:
