@@ -170,3 +170,17 @@ def test_min_tokens_yield_to_a_constraint_that_can_only_end(llm_fp32):
                                 structured=StructuredOutput(regex="ab|cd"))
         output = llm_fp32.generate(["Say ab or cd:"], params)[0]
         assert output.text in ("ab", "cd") and output.finish_reason == "stop"
+
+
+def test_n_choices_score_the_prompt_once(llm_fp32):
+    """With n > 1, only the first choice scores the prompt (computed whole); the others read it
+    from the prefix cache and carry the same prompt_logprobs."""
+    prompt = llm_fp32.tokenizer.encode("The old oak tree stood at the edge of the village, " * 6)
+    outputs = llm_fp32.generate([prompt], SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=3,
+                                                         prompt_logprobs=2))
+    assert len(outputs) == 3 and outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens > 0 for o in outputs[1:])  # the prompt computed once
+    first = [(e.token_id, e.logprob) for e in outputs[0].prompt_logprobs[1:]]
+    assert len(first) == len(prompt) - 1
+    for output in outputs[1:]:
+        assert [(e.token_id, e.logprob) for e in output.prompt_logprobs[1:]] == first

@@ -58,7 +58,13 @@ class LLM:
                 requests.append(self.engine.make_request(prompt, p.choice(index),
                                                          namespace=namespace, group=first.request_id))
                 after.append(first.request_id)
-        return self._run(requests, use_tqdm, after)
+        outputs = self._run(requests, use_tqdm, after)
+        firsts = {request.request_id: output for request, leader, output in zip(requests, after, outputs)
+                  if leader is None}
+        for leader, output in zip(after, outputs):  # later choices share the first one's prompt scores
+            if leader is not None and output.prompt_logprobs is None:
+                output.prompt_logprobs, output.prompt_logits = firsts[leader].prompt_logprobs, firsts[leader].prompt_logits
+        return outputs
 
     def chat(
         self,

@@ -120,9 +120,13 @@ class SamplingParams:
 
     def choice(self, index: int) -> SamplingParams:
         """The params of choice `index` of n (a request of its own, n=1): a seeded request's
-        choices get seeds seed + index, so they differ and each is reproducible."""
-        seed = self.seed if self.seed is None or index == 0 else (self.seed + index) % 2**64
-        return dataclasses.replace(self, n=1, seed=seed)
+        choices get seeds seed + index, so they differ and each is reproducible. Only the first
+        choice scores the prompt (`prompt_logprobs`, computed whole): the others share its scores
+        and read the prompt from the prefix cache."""
+        if index == 0:
+            return dataclasses.replace(self, n=1)
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + index) % 2**64,
+                                   prompt_logprobs=None)
 
     @property
     def is_greedy(self) -> bool:

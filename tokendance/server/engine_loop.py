@@ -326,11 +326,11 @@ class EngineLoop:
             except RoundAborted:
                 self.metrics.inc("tokendance_rounds_aborted_total")
                 continue
-            if all(t.sink.closed for t in turns):  # it ended as its clients left: nobody got it
-                self.metrics.inc("tokendance_rounds_aborted_total")
-                continue
             except Exception as exc:
                 self._round_failed(turns, [job.request_id_of(a) for a in agent_ids], exc)
+                continue
+            if all(t.sink.closed for t in turns):  # it ended as its clients left: nobody got it
+                self.metrics.inc("tokendance_rounds_aborted_total")
                 continue
             self.metrics.record_round(result.stats, _source(turns))
             for sink in {id(t.sink): t.sink for t in turns if t.sink.wants_stats}.values():

@@ -89,8 +89,9 @@ def chat_response(request_id: str, model: str, outputs: list[RequestOutput], rou
     for i, output in enumerate(outputs):
         message, finish_reason = chat_message(output, tools)
         logprobs = chat_logprobs(output.logprobs, token_text, hidden) if token_text and output.logprobs else None
+        scored = output if output.prompt_logprobs is not None else outputs[0]  # choices share the first's
         choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-                        **prompt_logprobs_field(output, token_text)})
+                        **prompt_logprobs_field(scored, token_text)})
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -114,7 +115,7 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
         "choices": [
             {"index": i, "text": o.text, "finish_reason": o.finish_reason,
              "logprobs": completion_logprobs(o.logprobs, token_text, 0, hidden) if token_text and o.logprobs else None,
-             **prompt_logprobs_field(o, token_text)}
+             **prompt_logprobs_field(o if o.prompt_logprobs is not None else outputs[i - i % n], token_text)}
             for i, o in enumerate(outputs)
         ],
         "usage": usage(outputs, n),
