@@ -184,3 +184,14 @@ def test_n_choices_score_the_prompt_once(llm_fp32):
     assert len(first) == len(prompt) - 1
     for output in outputs[1:]:
         assert [(e.token_id, e.logprob) for e in output.prompt_logprobs[1:]] == first
+
+
+def test_request_fields_override_the_models_sampling_defaults():
+    """The server's requests: the model's generation_config.json sampling for the fields a request
+    leaves out, the request's own values where it sets them."""
+    from tokendance.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], top_p=0.5)
+    params = body.sampling_params(None, {"temperature": 0.7, "top_p": 0.8, "top_k": 20})
+    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.5, 20)
+    assert body.sampling_params(None).temperature == SamplingParams().temperature  # no defaults: OpenAI's

@@ -48,7 +48,7 @@ class LLM:
         prompts are validated before any is scheduled. A prompt's choices after the first start
         once it has computed the prompt, and find it in the prefix cache."""
         batch = _as_prompt_batch(prompts)
-        params = _as_params(sampling_params, len(batch))
+        params = _as_params(self.default_sampling_params() if sampling_params is None else sampling_params, len(batch))
         requests, after = [], []
         for prompt, p in zip(batch, params):
             first = self.engine.make_request(prompt, p.choice(0), namespace=namespace)
@@ -65,6 +65,11 @@ class LLM:
             if leader is not None and output.prompt_logprobs is None:
                 output.prompt_logprobs, output.prompt_logits = firsts[leader].prompt_logprobs, firsts[leader].prompt_logits
         return outputs
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given none: the model's generation_config.json
+        sampling (temperature, top_p, top_k, repetition_penalty) where it has one."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(
         self,
@@ -96,7 +101,7 @@ class LLM:
         """Run one round of agent turns together; agents keep their KV between rounds (sessions)
         and shared spans are reused as the `reuse` mode says. Outputs come in the turns' order.
         `sampling_params`: one for every turn, or one per turn."""
-        return self.rounds.run(turns, sampling_params or SamplingParams())
+        return self.rounds.run(turns, self.default_sampling_params() if sampling_params is None else sampling_params)
 
     def warm_up(self) -> None:
         """Two small untimed rounds of a three-agent Generative Agents simulation, so every

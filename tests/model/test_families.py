@@ -293,3 +293,19 @@ def test_family_chat_templates_render_and_segment_as_transformers(tokenizer, tmp
     segments = chat_segments(ours, chat)
     assert [t for segment in segments for t in segment] == theirs.encode(text, add_special_tokens=False)
     assert len(segments) > len(chat)  # cut per message and line, as rounds share them
+
+
+def test_generation_config_sets_the_default_sampling(family_models, tmp_path):
+    """generation_config.json's temperature, top_p, top_k and repetition_penalty are the defaults of
+    requests that leave them out (as vLLM's `--generation-config auto`); a request's own values win."""
+    folder, _ = family_models("qwen2")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    generation.update(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, do_sample=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    llm = LLM(load_model(tmp_path), dtype="float32")
+    defaults = llm.default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert llm.generate(["Hello"], greedy)[0].token_ids == LLM(load_model(folder), dtype="float32").generate(
+        ["Hello"], greedy)[0].token_ids

@@ -69,6 +69,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, self.cpu, config.device)
         loaded = loaded or load_model(config.model, dtype)
         self.model_name = loaded.name
+        self.sampling_defaults = dict(loaded.sampling_defaults)  # for requests that do not set these fields
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)

@@ -50,12 +50,18 @@ GGUF_GLOBAL_NAMES = {
 GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-pair frequency divisors
 
 
+# generation_config.json keys that become the default sampling of requests that do not set them
+# (as vLLM's `--generation-config auto`).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: ChatTokenizer
     name: str
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # from generation_config.json
 
 
 def default_model_path() -> Path:
@@ -224,7 +230,8 @@ def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
                 if not name.endswith("rotary_emb.inv_freq"):  # older checkpoints kept RoPE's table
                     weights[name] = f.get_tensor(name).to(dtype)
     _check_tensor_names(config, weights, path)
-    return LoadedModel(config, weights, load_hf_tokenizer(path), name=path.name)
+    defaults = {k: generation[k] for k in GENERATION_DEFAULTS if generation.get(k) is not None}
+    return LoadedModel(config, weights, load_hf_tokenizer(path), name=path.name, sampling_defaults=defaults)
 
 
 def load_hf_tokenizer(path: Path) -> ChatTokenizer:

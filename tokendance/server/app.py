@@ -186,7 +186,8 @@ class Api:
             structured, structured_param = tools.constraint(body.parallel_tool_calls), "tools"
         await self._compile(structured, structured_param)
         messages = render_messages(body.chat_messages(self.tool_format), tools)
-        params = body.sampling_params(None, max_tokens=body.max_completion_tokens, structured=structured,
+        params = body.sampling_params(None, self.engine.sampling_defaults, max_tokens=body.max_completion_tokens,
+                                      structured=structured,
                                       logprobs=body.num_logprobs())
         marker = self.tool_format.marker
         if tools is None and marker and (body.tools or any(m.tool_calls for m in body.messages)):
@@ -213,7 +214,7 @@ class Api:
         self._check(body)
         structured, structured_param = body.structured_output()
         await self._compile(structured, structured_param)
-        params = body.sampling_params(16, structured=structured, logprobs=body.logprobs)
+        params = body.sampling_params(16, self.engine.sampling_defaults, structured=structured, logprobs=body.logprobs)
         key, namespace = f"cmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         prompts, n = body.prompts(), body.n
         self.admission.claim(request.scope, len(prompts) * n)
@@ -252,7 +253,7 @@ class Api:
             if structured is None:
                 structured, structured_param = body.structured_output()
             await self._compile(structured, structured_param and f"agents.{i}.{structured_param}")
-            params = body.sampling_params(None, structured=structured,
+            params = body.sampling_params(None, self.engine.sampling_defaults, structured=structured,
                                           **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
             agent_namespace = _namespace(request, agent.cache_salt) if agent.cache_salt else namespace
             prepared = await self._validate(

@@ -128,6 +128,8 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
           f"{reuse.fidelity_name}{', batch-invariant' if reuse.batch_invariant else ''}, dtype {engine.dtype}, "
           f"CPU {engine.cpu.describe()}, "
           f"KV pool {engine.kv_cache_bytes >> 20} MiB) on http://{args.host}:{args.port}/v1", flush=True)
+    if engine.sampling_defaults:
+        print(f"default sampling from the model's generation_config.json: {engine.sampling_defaults}", flush=True)
     for warning in reuse.warnings:
         print(f"warning: {warning}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))

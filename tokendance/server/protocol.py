@@ -142,8 +142,9 @@ class SamplingFields(BaseModel):
         except InvalidRequestError as exc:
             raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
-    def sampling_params(self, default_max_tokens: int | None, **overrides) -> SamplingParams:
-        values = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+    def sampling_params(self, default_max_tokens: int | None, defaults: dict | None = None, **overrides) -> SamplingParams:
+        """`defaults`: the model's sampling (generation_config.json) for the fields the request leaves out."""
+        values = {**(defaults or {}), **{k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}}
         values.setdefault("max_tokens", default_max_tokens)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values.get("logit_bias") is not None:
