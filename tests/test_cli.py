@@ -18,3 +18,32 @@ def test_every_option_of_every_command_says_what_it_does():
         text = command.format_help()
         if name == "serve":
             assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    import pytest
+
+    from tokendance.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tokendance {importlib.metadata.version('tokendance')}"
+
+
+def test_bench_against_a_server_that_is_not_up_is_one_line(capsys):
+    """No traceback: one line naming the target and what to do, exit status 1."""
+    import socket
+
+    from tokendance.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status = main(["bench", "--target", f"http://127.0.0.1:{port}/v1", "--workload", "generative-agents",
+                   "--agents", "2", "--rounds", "1"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1") and "tokendance serve" in err

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +165,19 @@ class KVPeak:
 
 
 def run_target(args) -> int:
+    """The bench against a server; a server that cannot be reached or refuses is one line, exit 1."""
+    try:
+        return _run_target(args)
+    except urllib.error.HTTPError as exc:
+        print(f"error: {args.target} answered {exc.code} {exc.reason}: check --target, --target-model and "
+              "--api-key", file=sys.stderr)
+    except (urllib.error.URLError, ConnectionError) as exc:
+        print(f"error: cannot reach {args.target} ({getattr(exc, 'reason', exc)}): is the server up? Start it "
+              "with `tokendance serve`, or check --target", file=sys.stderr)
+    return 1
+
+
+def _run_target(args) -> int:
     client = Client(args.target, args.api_key, args.target_model, args.request_timeout)
     agent_counts = args.agents or ([3] if args.workload == "debate" else [4, 8, 16])
     rows = []
