@@ -91,11 +91,16 @@ def _context_limit(hf: dict, family: Family, max_positions: int, where: str) -> 
         raise ModelLoadError(f"{where}: layer types {sorted(layer_types)} are not supported")
     slides = (hf.get("sliding_window") is not None if family.name == "mistral"
               else bool(hf.get("use_sliding_window")) or bool(layer_types))
-    window = hf.get("sliding_window")
-    if not slides or window is None or window >= max_positions:
+    return _within_window(max_positions, hf.get("sliding_window") if slides else None, where)
+
+
+def _within_window(max_positions: int, window, where: str) -> int:
+    """The context limit of a model that slides a window (None: none): sliding-window attention is
+    not implemented, and within its window it equals full attention."""
+    if window is None or int(window) >= max_positions:
         return max_positions
     logger.warning("%s: sliding-window attention (window %d) is not implemented: contexts are limited to the "
-                   "window, within which it equals full attention", where, window)
+                   "window, within which it equals full attention", where, int(window))
     return int(window)
 
 
@@ -105,12 +110,8 @@ def config_from_gguf(get, arch: str, vocab_size: int, tensor_names: set[str], wh
     family = find_family(arch, where)
     num_heads = int(get(f"{arch}.attention.head_count"))
     hidden = int(get(f"{arch}.embedding_length"))
-    window = get(f"{arch}.attention.sliding_window")
-    max_positions = int(get(f"{arch}.context_length", 2048))
-    if window is not None and int(window) < max_positions:
-        logger.warning("%s: sliding-window attention (window %d) is not implemented: contexts are limited to the "
-                       "window", where, int(window))
-        max_positions = int(window)
+    max_positions = _within_window(int(get(f"{arch}.context_length", 2048)),
+                                   get(f"{arch}.attention.sliding_window"), where)
     eos, bos = get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         vocab_size=int(get(f"{arch}.vocab_size", vocab_size)),
