@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 
 import jsonschema
 import openai
@@ -12,7 +13,7 @@ import pytest
 
 from tokendance import SamplingParams
 from tokendance.errors import InvalidRequestError
-from tokendance.structured import StructuredOutput
+from tokendance.structured import GrammarCompiler, StructuredOutput
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -121,6 +122,17 @@ def test_bad_constraints_are_rejected_before_running(llm_fp32, spec):
     with pytest.raises(InvalidRequestError):
         llm_fp32.engine.make_request("hi", SamplingParams(structured=StructuredOutput(**spec)))
     assert not llm_fp32.engine.has_unfinished
+
+
+def test_choices_with_any_punctuation_compile_and_match_only_themselves(tokenizer):
+    """`<` and `>` escaped are word boundaries in llguidance's regex syntax: they stay as they are."""
+    choices = [string.punctuation, "<tool_call>", "a<b>c"]
+    compiler = GrammarCompiler(tokenizer, (tokenizer.token_to_id(tokenizer.eos_token),))
+    for choice in choices:
+        matcher = compiler.matcher(StructuredOutput(choice=choices))
+        assert all(matcher.consume_token(t) for t in tokenizer.encode(choice)) and matcher.is_accepting()
+    matcher = compiler.matcher(StructuredOutput(choice=choices))
+    assert not all(matcher.consume_token(t) for t in tokenizer.encode("a<b>d"))
 
 
 def test_constraint_needs_exactly_one_field_and_no_ignore_eos():
@@ -248,6 +260,7 @@ def test_tool_choice_none_never_returns_call_markup(server):
                                                if tools else openai.NOT_GIVEN, temperature=0, max_tokens=60)
         assert "<tool_call>" not in (reply.choices[0].message.content or "")
         assert not reply.choices[0].message.tool_calls
+        assert reply.choices[0].message.content.strip()  # where it would have called, it answers in words
 
 
 def test_n_choices_share_the_prompt_and_differ_by_seed(server):

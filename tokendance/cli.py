@@ -12,7 +12,7 @@ import sys
 import time
 
 from tokendance import registry
-from tokendance.errors import TokenDanceError
+from tokendance.errors import InvalidRequestError, TokenDanceError
 
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's default is shown, unless its help already tells it or it has none."""
@@ -35,18 +35,33 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An error is one line on stderr and exit status 1 (argparse's usage errors:
+    2); `--debug` shows its traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except TokenDanceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"error: {error_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def error_line(exc: BaseException) -> str:
+    """What went wrong in one line: our own errors say it themselves; others are named by type."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, TokenDanceError):
+        return text
+    return f"{type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokendance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokendance {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -85,14 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
+    """The model and the sampling, the arguments checked before the model loads."""
     from tokendance import LLM, SamplingParams
+    from tokendance.model.loader import check_model_path
 
-    started = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, max_tokens=args.max_tokens,
     )
+    check_model_path(args.model)
+    started = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype)
     return llm, params, time.perf_counter() - started
 
 
@@ -111,6 +129,8 @@ def _timing(output, load_seconds: float | None = None) -> str:
 
 
 def cmd_generate(args) -> int:
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty")
     llm, params, load_seconds = _load(args)
     (output,) = llm.generate(args.prompt, params)
     print(output.text)

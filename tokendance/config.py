@@ -111,6 +111,11 @@ class EngineConfig:
             not isinstance(self.kv_cache_bytes, int) or isinstance(self.kv_cache_bytes, bool) or self.kv_cache_bytes <= 0
         ):
             raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
+        if not (isinstance(self.recompute_ratio, (int, float)) and 0.0 <= self.recompute_ratio <= 1.0):
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}", "recompute_ratio")
+        for name in ("max_model_len", "num_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}", name)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.round_group_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens, max_num_seqs and round_group_tokens must be >= 1")
         if self.batch_invariant and self.max_num_batched_tokens < BATCH_INVARIANT_CHUNK:

@@ -109,7 +109,7 @@ class StructuredOutput:
         if self.regex is not None:
             return matcher.grammar_from_regex(self.regex)
         if self.choice is not None:
-            return matcher.grammar_from_regex("|".join(_regex_escape(c) for c in self.choice))
+            return matcher.grammar_from_regex("|".join(regex_escape(c) for c in self.choice))
         return matcher.grammar_from_lark(self.grammar)
 
 
@@ -121,9 +121,10 @@ def _depth(value, level: int = 0) -> int:
     return max((_depth(child, level + 1) for child in children), default=level)
 
 
-def _regex_escape(text: str) -> str:
-    """Escape for llguidance's (Rust) regex syntax: every non-alphanumeric ASCII character."""
-    return "".join(c if c.isalnum() or not c.isascii() else "\\" + c for c in text)
+def regex_escape(text: str) -> str:
+    """Escape for llguidance's (Rust) regex syntax: every non-alphanumeric ASCII character but `<`
+    and `>` (escaped, they are word boundaries)."""
+    return "".join(c if c.isalnum() or not c.isascii() or c in "<>" else "\\" + c for c in text)
 
 
 class GrammarCompiler:

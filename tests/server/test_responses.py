@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.lib._pydantic import to_strict_json_schema
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
@@ -94,6 +95,26 @@ def test_function_calls_stream_and_their_outputs_go_back_in(server):
 class City(pydantic.BaseModel):  # bounded fields: a complete object always fits in max_output_tokens
     name: str = pydantic.Field(max_length=24)
     country: str = pydantic.Field(max_length=24)
+
+
+class Census(pydantic.BaseModel):  # an unbounded integer: sampled, its digits can run to the token limit
+    name: str
+    population: int
+
+
+def test_text_format_is_constrained_exactly_as_chats_response_format(server):
+    """`parse` through responses and through chat sample the same constraint: with the same seed
+    they write the same text (a parse that fails on one fails on the other)."""
+    client = server.client()
+    schema = {"type": "json_schema", "name": "Census", "strict": True, "schema": to_strict_json_schema(Census)}
+    for seed in range(3):
+        chat = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Describe the city of Lyon."}], seed=seed,
+            max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+                k: v for k, v in schema.items() if k != "type"}})
+        response = client.responses.create(model=server.model, input="Describe the city of Lyon.", text={
+            "format": schema}, max_output_tokens=40, extra_body={"seed": seed})
+        assert response.output_text == chat.choices[0].message.content
 
 
 def test_text_format_json_schema_through_the_sdks_parse(server):

@@ -80,15 +80,29 @@ def default_model_path() -> Path:
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load weights (in `dtype`), config and tokenizer; raise `ModelLoadError` naming the problem
     otherwise."""
+    model_path = check_model_path(path)
+    if model_path.is_dir():
+        return _load_hf_folder(model_path, dtype)
+    return _load_gguf(model_path, dtype)
+
+
+def check_model_path(path: str | Path | None = None) -> Path:
+    """The GGUF file or Hugging Face folder that `load_model(path)` reads, checked in milliseconds
+    without touching the weights (a command validates it before a long load): it exists, has the
+    files a model needs, and a folder's config.json describes a supported family."""
     model_path = default_model_path() if path is None else Path(path)
     if not model_path.exists():
         raise ModelLoadError(f"model path does not exist: {model_path}")
     if model_path.is_dir():
-        ggufs = sorted(model_path.glob("*.gguf"))
         if (model_path / "config.json").exists():
-            return _load_hf_folder(model_path, dtype)
+            _hf_config(model_path)
+            for pattern, what in (("*.safetensors", "*.safetensors weight files"), ("tokenizer.json", "tokenizer.json")):
+                if not any(model_path.glob(pattern)):
+                    raise ModelLoadError(f"{model_path}: no {what}")
+            return model_path
+        ggufs = sorted(model_path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
+            return check_model_path(ggufs[0])
         raise ModelLoadError(
             f"{model_path} is not a model folder: expected config.json + *.safetensors "
             "or a single .gguf file"
@@ -96,7 +110,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     with open(model_path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelLoadError(f"{model_path} is not a GGUF file (bad magic bytes)")
-    return _load_gguf(model_path, dtype)
+    return model_path
 
 
 # ---------------------------------------------------------------- GGUF
@@ -206,23 +220,23 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 # ---------------------------------------------------------------- Hugging Face folder
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
-    from safetensors import safe_open
-
+def _hf_config(path: Path) -> ModelConfig:
     try:
         hf = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
-    config = config_from_hf(hf, str(path))
+    return config_from_hf(hf, str(path))
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    config = _hf_config(path)
     generation = _read_json(path / "generation_config.json")  # chat models often list more stop ids here
     eos = generation.get("eos_token_id")
     more_eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + more_eos)))
     shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    if not (path / "tokenizer.json").exists():
-        raise ModelLoadError(f"{path}: no tokenizer.json")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:

@@ -56,6 +56,7 @@ from tokendance.server.responses import (
 )
 from tokendance.server.routing import agent_key, cache_namespace
 from tokendance.server.sink import Sink
+from tokendance.structured import StructuredOutput
 from tokendance.server.streaming import EventStream, TextDeltas, chat_chunks, completion_chunks, events
 
 log = logging.getLogger("tokendance.server")
@@ -91,6 +92,7 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(Gate, config=config, metrics=metrics, admission=admission)
     app.state.engine_loop = loop
+    app.state.config = config
     return app
 
 
@@ -184,14 +186,16 @@ class Api:
                 raise ApiError(400, "a forced tool_choice cannot be combined with response_format or guided_*",
                                param="tool_choice")
             structured, structured_param = tools.constraint(body.parallel_tool_calls), "tools"
+        no_calls = tools is None and (body.tools or any(m.tool_calls for m in body.messages))
+        if no_calls and structured is None:  # the model answers in words where it would have called
+            structured, structured_param = StructuredOutput(grammar=self.tool_format.text_grammar()), "tool_choice"
         await self._compile(structured, structured_param)
         messages = render_messages(body.chat_messages(self.tool_format), tools)
-        params = body.sampling_params(None, self.engine.sampling_defaults, max_tokens=body.max_completion_tokens,
-                                      structured=structured,
-                                      logprobs=body.num_logprobs())
+        params = self._sampling(body, None, max_tokens=body.max_completion_tokens, structured=structured,
+                                logprobs=body.num_logprobs())
         marker = self.tool_format.marker
-        if tools is None and marker and (body.tools or any(m.tool_calls for m in body.messages)):
-            params = dataclasses.replace(params, stop=[*params.stop_strings, marker])  # no call markup as content
+        if no_calls and marker and structured_param != "tool_choice":  # under response_format: no markup as content
+            params = dataclasses.replace(params, stop=[*params.stop_strings, marker])
         namespace = _namespace(request, body.cache_salt)
         sink = Sink(key, body.n, constraint_param=structured_param)
         if body.n == 1:
@@ -214,7 +218,7 @@ class Api:
         self._check(body)
         structured, structured_param = body.structured_output()
         await self._compile(structured, structured_param)
-        params = body.sampling_params(16, self.engine.sampling_defaults, structured=structured, logprobs=body.logprobs)
+        params = self._sampling(body, 16, structured=structured, logprobs=body.logprobs)
         key, namespace = f"cmpl-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         prompts, n = body.prompts(), body.n
         self.admission.claim(request.scope, len(prompts) * n)
@@ -253,8 +257,13 @@ class Api:
             if structured is None:
                 structured, structured_param = body.structured_output()
             await self._compile(structured, structured_param and f"agents.{i}.{structured_param}")
-            params = body.sampling_params(None, self.engine.sampling_defaults, structured=structured,
-                                          **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
+            try:
+                params = self._sampling(body, None, structured=structured,
+                                        **{k: getattr(agent, k) for k in SAMPLING_FIELDS})
+            except ApiError as exc:
+                if exc.param and getattr(agent, exc.param, None) is not None:  # the agent's own value
+                    exc.param = f"agents.{i}.{exc.param}"
+                raise
             agent_namespace = _namespace(request, agent.cache_salt) if agent.cache_salt else namespace
             prepared = await self._validate(
                 lambda: self._chat_request(messages, params, f"{key}-{i}", agent_namespace), f"agents.{i}.messages")
@@ -266,6 +275,20 @@ class Api:
         return round_response(key, self.config.model_name, agent_ids, outputs, info, sink.stats)
 
     # ------------------------------------------------------------ helpers
+
+    def _sampling(self, body, fallback_max_tokens: int | None, **overrides):
+        """The request's sampling: the model's defaults for what it leaves out, then the server's
+        max_tokens policy (`default_max_tokens` where it sends none, refused above `max_tokens_limit`)."""
+        fallback = self.config.default_max_tokens if fallback_max_tokens is None else fallback_max_tokens
+        limit = self.config.max_tokens_limit
+        if limit is not None:
+            fallback = limit if fallback is None else min(fallback, limit)
+        params = body.sampling_params(fallback, self.engine.sampling_defaults, **overrides)
+        if limit is not None and params.max_tokens > limit:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ApiError(400, f"{param} is {params.max_tokens}; this server generates at most {limit} tokens "
+                                "per request (--max-tokens-limit)", param=param, code="invalid_value")
+        return params
 
     def _model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": self.created,

@@ -56,6 +56,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine requests in flight (each prompt x choice, each agent of a /v1/rounds counts one); "
              "a request that would pass this is answered 429; one larger than it counts as half of it")
     add("--max-body-bytes", type=parse_bytes, default=8 * 2**20, help="larger request bodies are answered 413")
+    add("--default-max-tokens", type=int, default=None,
+        help="tokens a chat, responses or round request may generate when it sends no max_tokens "
+             "(default: none, as OpenAI: up to the context window)")
+    add("--max-tokens-limit", type=int, default=None,
+        help="most tokens one request may generate: a request asking for more is refused with 400 "
+             "(default: none)")
     add("--tool-call-format", default="auto", choices=["auto", *TOOL_CALL_FORMATS],
         help="how the model writes tool calls (auto: from its chat template; hermes: <tool_call> blocks, Qwen's and "
              "the generic one; llama3_json: Llama 3.1+ JSON calls; mistral: [TOOL_CALLS])")
@@ -69,12 +75,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Check every argument, bind the port, then load the model while the port answers 503."""
     import socket
     import sys
 
+    from tokendance.config import EngineConfig
+    from tokendance.errors import InvalidRequestError
+    from tokendance.model.loader import check_model_path
+
     if args.replicas < 1:
-        print("error: --replicas must be >= 1", file=sys.stderr)
-        return 2
+        raise InvalidRequestError("--replicas must be >= 1")
+    engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
+                   "max_model_len": args.max_model_len, "num_threads": args.num_threads}
+    llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
+                "max_num_seqs": args.max_num_seqs, "batch_invariant": args.batch_invariant,
+                **{k: v for k, v in engine_args.items() if v is not None}}
+    EngineConfig(**llm_args)  # the engine's own checks, before the long load
+    server_config(args, args.served_model_name or "model")
+    check_model_path(args.model)
     # Bind first: a busy port fails in a second with one line, not after loading the model.
     try:
         sock = socket.create_server((args.host, args.port), backlog=2048)
@@ -82,11 +100,6 @@ def run_server(args: argparse.Namespace) -> int:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         print(f"error: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 1
-    engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
-                   "max_model_len": args.max_model_len, "num_threads": args.num_threads}
-    llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
-                "max_num_seqs": args.max_num_seqs, "batch_invariant": args.batch_invariant,
-                **{k: v for k, v in engine_args.items() if v is not None}}
     if args.replicas > 1 or args.ray_address:
         sock.close()  # Ray Serve's proxy listens there
         try:
@@ -109,29 +122,64 @@ def server_config(args: argparse.Namespace, model_name: str | None):
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
         tool_call_format=args.tool_call_format,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
     )
 
 
 def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
+    """Serve on `sock` at once: 503 while the model loads and warms up (server/starting.py), then
+    the app. A failed load stops the server with its reason in one line and exit status 1."""
+    import sys
+    import time
+
     import uvicorn
 
-    from tokendance import LLM
-    from tokendance.server.app import create_app
+    from tokendance.server.starting import StartingApp
 
-    llm = LLM(**llm_args)
-    llm.warm_up()  # compile the kernels now, not on the first clients' round
-    config = server_config(args, args.served_model_name or llm.engine.model_name)
-    app = create_app(llm, config)
+    failure: list[BaseException] = []
+    url = f"http://{args.host}:{sock.getsockname()[1]}"  # the port bound (--port 0: any free one)
+
+    def build():
+        from tokendance import LLM
+        from tokendance.server.app import create_app
+
+        started = time.perf_counter()
+        print(f"loading {llm_args['model'] or 'the default model (SmolLM2-135M-Instruct)'}; {url}/health answers "
+              f"503 until it is ready", flush=True)
+        llm = LLM(**llm_args)
+        loaded = time.perf_counter()
+        print(f"loaded in {loaded - started:.1f} s; warming up (compiling the kernels)", flush=True)
+        llm.warm_up()  # compile the kernels now, not on the first clients' round
+        app = create_app(llm, server_config(args, args.served_model_name or llm.engine.model_name))
+        _announce(args, llm, app.state.config, url, time.perf_counter() - started)
+        return app
+
+    def failed(exc: BaseException) -> None:
+        failure.append(exc)
+        server.should_exit = True
+
+    server = uvicorn.Server(uvicorn.Config(StartingApp(build, failed), log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    if failure:
+        if args.debug:
+            raise failure[0]
+        from tokendance.cli import error_line
+
+        print(f"error: {error_line(failure[0])}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+def _announce(args, llm, config, url: str, seconds: float) -> None:
     engine = llm.engine
     reuse = engine.config
-    print(f"serving {config.model_name} (reuse={reuse.reuse}, recompute ratio {reuse.recompute_ratio:g}, fidelity "
-          f"{reuse.fidelity_name}{', batch-invariant' if reuse.batch_invariant else ''}, dtype {engine.dtype}, "
-          f"CPU {engine.cpu.describe()}, "
-          f"KV pool {engine.kv_cache_bytes >> 20} MiB) on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"ready in {seconds:.1f} s: serving {config.model_name} (reuse={reuse.reuse}, recompute ratio "
+          f"{reuse.recompute_ratio:g}, fidelity {reuse.fidelity_name}{', batch-invariant' if reuse.batch_invariant else ''}, "
+          f"dtype {engine.dtype}, CPU {engine.cpu.describe()}, KV pool {engine.kv_cache_bytes >> 20} MiB) on {url}/v1",
+          flush=True)
     if engine.sampling_defaults:
         print(f"default sampling from the model's generation_config.json: {engine.sampling_defaults}", flush=True)
     for warning in reuse.warnings:
         print(f"warning: {warning}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
-    return 0 if server.started else 1

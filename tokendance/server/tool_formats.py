@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 
+from tokendance.structured import regex_escape
+
 Call = tuple[str, dict]  # (name, arguments)
 
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
@@ -42,6 +44,12 @@ class ToolFormat:
         """(content outside the calls or None, calls) of a whole reply; None when it holds no
         call of a known tool in this format."""
         raise NotImplementedError
+
+    def text_grammar(self) -> str:
+        """Lark (llguidance) for a reply in words only, that never starts a call: what a request
+        with no tools to call (tool_choice "none", or tools gone from a conversation that has
+        calls) is held to, so the model answers instead of stopping where it wanted to call."""
+        return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*){regex_escape(self.marker)}(?s:.*)/\n"
 
 
 class Hermes(ToolFormat):
@@ -99,6 +107,9 @@ class Llama3Json(ToolFormat):
         calls = " | ".join(f"%json {json.dumps(_renamed(s, 'parameters'))}" for s in call_schemas)
         more = f' ("{self.SEPARATOR}" call)*' if parallel else ""
         return f"start: call{more}\ncall: {calls}\n"
+
+    def text_grammar(self) -> str:  # a call is the whole reply: the reply does not start as one
+        return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/\\s*(\\{{|{regex_escape(self.PYTHON_TAG)})(?s:.*)/\n"
 
     def parse(self, text, names):
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
