@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.installed
 VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
+DSTAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-fast test-vllm vllm bench clean
+.PHONY: demo test test-fast test-vllm vllm bench docs clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +48,14 @@ test-fast: $(STAMP)  # every test that does not run the model, in seconds
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+
+# The documentation site (mkdocs.yml, docs/*.md; API pages from the docstrings) into site/.
+$(DSTAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DSTAMP)
+
+docs: $(DSTAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) $(VVENV) build *.egg-info
