@@ -23,6 +23,11 @@ class ScheduledRequest:
     history: TokenHistory | None = None  # set for logit adjustments (penalties, ...) and prompt logprobs
     score_from: int = 0  # prompt logprobs: the first position whose logits are asked for
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a context: attended as a decode (a first token is a prefill)."""
+        return len(self.positions) == 1 and self.positions[0] == len(self.context_slots) - 1 > 0
+
 
 @dataclass
 class SchedulerOutput:

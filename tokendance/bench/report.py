@@ -57,6 +57,36 @@ def format_cost(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_roofline(rows: list[dict]) -> str:
+    """Each round against the machine (model/roofline.py): per kind of forward its work, the time
+    it took, the least time the machine needs for it (max of FLOPs at the GEMM peak and bytes at
+    the memory bandwidth) and the efficiency; then the round's sampler, other time and efficiency."""
+    peaks = next((r["peaks"] for r in rows if r.get("peaks")), None)
+    if peaks is None:
+        return ""
+    gemm, bandwidth = peaks["gemm_flops"], peaks["bandwidth"]
+    lines = [f"peaks: GEMM {gemm / 1e9:.0f} GFLOP/s ({peaks['dtype']}, {peaks['num_threads']} threads), "
+             f"memory {bandwidth / 1e9:.1f} GB/s",
+             f"{'N':>4} {'rd':>2} {'mode':<11}{'kind':<8}{'rows':>7}{'lin GF':>8}{'attn GF':>8}{'MB':>8}{'s':>7}"
+             f"{'roof s':>7}{'eff':>6}"]
+    for r in rows:
+        work = r.get("work")
+        if not work:
+            continue
+        where = f"{r['agents']:>4} {r['round']:>2} {r['mode']:<11}"
+        for kind, w in work["kinds"].items():
+            if not w["rows"]:
+                continue
+            roof = max((w["linear_flops"] + w["attention_flops"]) / gemm, (w["weight_bytes"] + w["kv_bytes"]) / bandwidth)
+            lines.append(f"{where}{kind:<8}{w['rows']:>7}{w['linear_flops'] / 1e9:>8.0f}{w['attention_flops'] / 1e9:>8.0f}"
+                         f"{(w['weight_bytes'] + w['kv_bytes']) / 1e6:>8.0f}{w['seconds']:>7.2f}{roof:>7.2f}"
+                         f"{roof / max(w['seconds'], 1e-9):>6.0%}")
+        lines.append(f"{where}{'round':<8}{'':>31}{r['round_seconds']:>7.2f}{r['roofline_seconds']:>7.2f}"
+                     f"{r['efficiency']:>6.0%}  (sampler {r['sampling_seconds']:.2f} s, other {r['other_seconds']:.2f} s, "
+                     f"{work['forwards']} forwards)")
+    return "\n".join(lines)
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)

@@ -59,6 +59,7 @@ def run_rounds(args) -> int:
         if rows:
             bar.write("\n" + report.format_rounds(rows) + "\n\n" + report.format_summary(rows))
             bar.write("\nround prefill cost by kind, beside its bound (reuse/cost.py)\n" + report.format_cost(rows))
+            bar.write("\nrounds against the machine's roofline (model/roofline.py)\n" + report.format_roofline(rows))
         if sweep_runs:
             results["sweep"] = sweep(loaded, args, bar)
             save()

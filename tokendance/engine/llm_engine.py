@@ -29,6 +29,7 @@ from tokendance.structured import GrammarCompiler
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import LoadedModel, load_model
 from tokendance.model.platform import auto_kv_cache_bytes, probe_cpu, resolve_dtype
+from tokendance.model.roofline import Account, ModelShape, items_work, machine_peaks
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import policy_class
 from tokendance.sampling import SamplingParams
@@ -94,6 +95,9 @@ class LLMEngine:
                                    BATCH_INVARIANT_CHUNK if config.batch_invariant else None)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.eos_token_ids)
         self.runner = ModelRunner(model, kv_tensors, config.block_size, self.grammars)
+        self.shape = ModelShape.of(loaded.config, dtype)
+        self.peaks = machine_peaks(dtype, self.cpu.describe())  # measured once per machine, then cached
+        self.account = Account()  # the work of every forward, by kind (model/roofline.py)
         if not 0 <= config.check_layer < loaded.config.num_layers:
             raise InvalidRequestError(f"check_layer must be in [0, {loaded.config.num_layers}), got {config.check_layer}")
         self.requests: dict[str, Request] = {}
@@ -319,12 +323,26 @@ class LLMEngine:
     def _forward(self, out: SchedulerOutput, group: KVGroup | None) -> RunnerOutput:
         items = []
         if group is not None and group.num_layers is not None:  # a partial pass (the check pass): its own
+            started = time.perf_counter()
             self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers)
+            self._count({"check": items_work(group.items, self.shape, group.num_layers)}, group.num_layers, started)
         elif group is not None:
             items = group.items
         if not items and out.is_empty:
             return RunnerOutput({}, {})
-        return self.runner.execute(SchedulerOutput(out.scheduled + items, out.block_copies))
+        started, sampling = time.perf_counter(), self.runner.sampling_seconds
+        result = self.runner.execute(SchedulerOutput(out.scheduled + items, out.block_copies))
+        sampled = self.runner.sampling_seconds - sampling
+        self.account.sampling_seconds += sampled
+        parts = {"prepare": items_work(items, self.shape),
+                 "decode": items_work([i for i in out.scheduled if i.is_decode], self.shape),
+                 "prefill": items_work([i for i in out.scheduled if not i.is_decode], self.shape)}
+        self._count(parts, None, started, sampled)
+        return result
+
+    def _count(self, parts: dict, num_layers: int | None, started: float, excluded: float = 0.0) -> None:
+        """A forward's work into the account, with the time since `started` less `excluded` (the sampler's)."""
+        self.account.record(parts, self.shape, num_layers, time.perf_counter() - started - excluded, self.peaks)
 
     def _job_call(self, job: KVJob, fn, *args):
         """Call into a job; a bug there fails that job (its round), not the engine."""

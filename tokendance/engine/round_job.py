@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from tokendance.batch import ScheduledRequest
 from tokendance.engine.jobs import KVGroup
 from tokendance.engine.request import Request
-from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, merge_waves
+from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, fill_work, merge_waves
 from tokendance.errors import CapacityError, TokenDanceError
 from tokendance.kv.manager import KVCacheManager, SessionKey
+from tokendance.model.roofline import Account, Peaks
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, Session, Work
@@ -48,6 +49,8 @@ class RoundContext:
     model: object  # the model, for its decode-read counters
     bytes_per_block: int
     row_bytes: int  # KV bytes of one token, one layer, one KV head
+    account: Account  # the engine's work counters, read in windows (a wave's)
+    peaks: Peaks
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Wave:
     started: float = 0.0
     report: PrefillReport = field(default_factory=PrefillReport)
     reads_before: object = None
+    account_before: Account | None = None
     stats: RoundStats | None = None
 
 
@@ -243,6 +247,7 @@ class RoundJob:
         self._wave, wave.started = wave, time.perf_counter()
         self.started = self.started or wave.started
         wave.reads_before = dataclasses.replace(self.context.model.decode_reads)
+        wave.account_before = self.context.account.snapshot()
         agents = []
         try:
             for i in wave.indices:
@@ -349,6 +354,8 @@ class RoundJob:
         fill_kv(stats, self.kv, context.bytes_per_block, [r.request_id for r in requests], tokenized)
         if wave.reads_before is not None:
             fill_reads(stats, wave.reads_before, context.model.decode_reads, context.row_bytes)
+        if wave.account_before is not None:
+            fill_work(stats, context.account.since(wave.account_before), context.peaks)
         wave.stats = stats
         if wave not in self._done_waves:
             self._done_waves.append(wave)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokendance.kv.manager import KVCacheManager
+from tokendance.model.roofline import Account, Peaks
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.cost import RoundCost
 from tokendance.reuse.round_kv import PrefillReport
@@ -61,6 +62,17 @@ class RoundStats:
     decode_kv_mb_per_step: float = 0.0
     decode_read_reduction: float = 0.0  # requested / read: how many times less than per-agent reads
     cost: RoundCost | None = None  # the prefill's compute by kind and its bound (modes that prepare KV)
+    # The machine's account (model/roofline.py): every forward run while the round ran, by kind,
+    # against the measured peaks. roofline: the least time the machine needs for that work;
+    # efficiency: roofline / round_seconds; the rest of the round is the sampler's and "other"
+    # (Python per step: scheduling, the round's bookkeeping, detokenization).
+    work: Account | None = None
+    peaks: Peaks | None = None
+    roofline_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    other_seconds: float = 0.0
+    efficiency: float = 0.0
     agents: list[AgentKVStats] = field(default_factory=list)
 
 
@@ -135,8 +147,19 @@ def fill_reads(stats: RoundStats, before, after, row_bytes: int) -> None:
     derive(stats)
 
 
+def fill_work(stats: RoundStats, work: Account, peaks: Peaks) -> None:
+    stats.work, stats.peaks = work, peaks
+    derive(stats)
+
+
 def derive(stats: RoundStats) -> None:
     """The ratios, from the counts."""
+    if stats.work is not None:
+        whole = stats.work.total()
+        stats.roofline_seconds = sum(w.roofline_seconds(stats.peaks) for w in stats.work.kinds.values())
+        stats.forward_seconds, stats.sampling_seconds = whole.seconds, stats.work.sampling_seconds
+        stats.other_seconds = max(0.0, stats.round_seconds - stats.forward_seconds - stats.sampling_seconds)
+        stats.efficiency = stats.roofline_seconds / stats.round_seconds if stats.round_seconds > 0 else 0.0
     stats.decode_kv_mb_per_step = stats.decode_kv_bytes_read / max(1, stats.decode_steps) / 2**20
     stats.decode_read_reduction = stats.decode_kv_bytes_requested / max(1, stats.decode_kv_bytes_read)
     stats.kv_bytes_per_agent = stats.kv_bytes / max(1, len(stats.agents))
@@ -161,6 +184,10 @@ def merge_waves(waves: list[tuple[list[RequestOutput], RoundStats]], started: fl
     for name in SUMMED:
         setattr(stats, name, sum(getattr(w, name) for _, w in waves))
     stats.agents = [a for _, w in waves for a in w.agents]
+    if all(w.work is not None for _, w in waves):
+        stats.work, stats.peaks = Account(), first.peaks
+        for _, w in waves:
+            stats.work.merge(w.work)
     if all(w.cost is not None for _, w in waves):
         stats.cost = RoundCost()
         for _, w in waves:

@@ -49,7 +49,8 @@ class RoundRunner:
         self.round_index = 0
         c = engine.model_config
         row_bytes = engine.bytes_per_block // engine.config.block_size // c.num_layers // c.num_kv_heads
-        self.context = RoundContext(policy, engine.kv, engine.runner.model, engine.bytes_per_block, row_bytes)
+        self.context = RoundContext(policy, engine.kv, engine.runner.model, engine.bytes_per_block, row_bytes,
+                                    engine.account, engine.peaks)
         self._jobs: list[RoundJob] = []  # submitted and not done, in order
 
     @classmethod

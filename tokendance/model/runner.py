@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -60,6 +61,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.sampler = Sampler(model.device, grammars)
+        self.sampling_seconds = 0.0  # spent in the sampler (penalties, masks, top-k/p, draws), cumulative
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -70,8 +72,10 @@ class ModelRunner:
             return RunnerOutput({}, {}, {}, prompt_logprobs, prompt_logits)
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_samplers, vocab]
         ids = [item.request_id for item in samplers]
+        started = time.perf_counter()
         tokens = self.sampler.sample(logits, ids, [item.sampling_params for item in samplers],
                                      [item.history for item in samplers])
+        self.sampling_seconds += time.perf_counter() - started
         kept = {
             item.request_id: logits[row].float()
             for row, item in enumerate(samplers)
@@ -183,8 +187,7 @@ class ModelRunner:
         row = 0
         for item in scheduled:
             num_new = len(item.token_ids)
-            is_decode = num_new == 1 and item.positions[0] == len(item.context_slots) - 1 > 0
-            if is_decode:
+            if item.is_decode:
                 decode_rows.append(row)
                 decode_slots.append(item.context_slots)
             else:
