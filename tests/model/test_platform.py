@@ -14,7 +14,7 @@ import torch
 from tokendance import LLM, SamplingParams
 from tokendance.errors import InvalidRequestError
 from tokendance.model.linear import DenseLinear, PackedBF16Linear
-from tokendance.model.platform import CpuInfo, auto_kv_cache_bytes, probe_cpu, resolve_dtype, warn_slow_bf16
+from tokendance.model.platform import CpuInfo, auto_kv_cache_bytes, cpu_flags, probe_cpu, resolve_dtype, warn_slow_bf16
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 GiB = 2**30
@@ -43,6 +43,18 @@ def test_auto_dtype_follows_the_cpu():
     assert resolve_dtype("auto", avx2) is torch.float32
     assert resolve_dtype("float32", native) is torch.float32
     assert resolve_dtype("auto", avx2, device="meta") is torch.bfloat16  # off the CPU: bf16
+
+
+def test_prefill_attention_runs_in_the_kernel_only_without_amx(monkeypatch):
+    monkeypatch.delenv("TOKENDANCE_PREFILL_KERNEL", raising=False)
+    amx = CpuInfo("AVX512", native_bf16=True, packed_bf16=True, amx_bf16=True)
+    bf16_dots = CpuInfo("AVX512", native_bf16=True, packed_bf16=True)
+    assert not amx.prefers_prefill_kernel and bf16_dots.prefers_prefill_kernel
+    monkeypatch.setenv("TOKENDANCE_PREFILL_KERNEL", "1")
+    assert amx.prefers_prefill_kernel
+    monkeypatch.setenv("TOKENDANCE_PREFILL_KERNEL", "0")
+    assert not bf16_dots.prefers_prefill_kernel
+    assert probe_cpu().amx_bf16 == (probe_cpu().native_bf16 and "amx_bf16" in cpu_flags())
 
 
 def test_forced_no_native_bf16_loads_in_float32(no_native_bf16, loaded_model, llm_fp32):

@@ -29,6 +29,7 @@ from tokendance.model.attention import (
     paged_attention,
 )
 from tokendance.model.linear import TiledLinear, choose_linear_kernel
+from tokendance.model.platform import CpuInfo
 from tokendance.model.rope import rope_frequencies
 
 logger = logging.getLogger("tokendance")
@@ -87,16 +88,17 @@ class LlamaModel:
         dtype,
         device,
         max_batch_tokens: int = 2048,
-        packed_bf16: bool = False,
+        cpu: CpuInfo | None = None,
         batch_invariant: bool = False,
     ):
-        """`packed_bf16`: the CPU runs oneDNN's packed bf16 weights (see model/platform.py).
-        `batch_invariant`: each row's result does not depend on the other rows of the batch."""
+        """`cpu`: what the CPU offers (model/platform.py), which picks the linear and attention
+        kernels (None: the portable ones). `batch_invariant`: each row's result does not depend on
+        the other rows of the batch."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.batch_invariant = batch_invariant
-        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, packed_bf16)
+        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, cpu is not None and cpu.packed_bf16)
         if batch_invariant:
             self.linear = TiledLinear(self.linear)
 
@@ -151,7 +153,7 @@ class LlamaModel:
             FusedKeyReader(),
             decode=PagedDecodeKernel.load(self.shift_cos, self.shift_sin, self.max_shift) if on_cpu and fits else None,
             prefill=PrefillKernel.load(dtype, config.head_dim, self.shift_cos, self.shift_sin, self.max_shift)
-            if on_cpu else None,
+            if on_cpu and cpu is not None and cpu.prefers_prefill_kernel else None,
         )
         self.decode_reads = DecodeReads()
         fused = on_cpu and kernels.pointwise_fits(dtype, config.head_dim)

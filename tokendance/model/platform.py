@@ -37,6 +37,19 @@ class CpuInfo:
     capability: str
     native_bf16: bool
     packed_bf16: bool
+    amx_bf16: bool = False  # AMX tiles: oneDNN's bf16 matmuls, and so SDPA's, run on them
+
+    @property
+    def prefers_prefill_kernel(self) -> bool:
+        """Prefill attention in the bf16 C kernel (dot products in AVX512-BF16) rather than SDPA:
+        where there is no AMX. With AMX, SDPA measured 2-3x faster on prefill shapes and plain
+        serving 1.14x faster end to end (benchmarks/prefill_kernel.py, benchmarks/roofline.py);
+        without it the kernel measured 3.4-4.4x faster than SDPA. `TOKENDANCE_PREFILL_KERNEL=1`
+        (or 0) forces the choice."""
+        forced = os.environ.get("TOKENDANCE_PREFILL_KERNEL")
+        if forced is not None:
+            return forced.strip().lower() not in ("0", "false", "no", "")
+        return not self.amx_bf16
 
     def describe(self) -> str:
         return f"{self.capability}, {'native' if self.native_bf16 else 'no native'} bf16"
@@ -49,7 +62,7 @@ def probe_cpu() -> CpuInfo:
         native = forced.strip().lower() not in ("0", "false", "no", "")
     else:
         native = capability.startswith("AVX512") and any(flag in cpu_flags() for flag in BF16_FLAGS)
-    return CpuInfo(capability, native, native and packed_bf16_runs())
+    return CpuInfo(capability, native, native and packed_bf16_runs(), native and "amx_bf16" in cpu_flags())
 
 
 @functools.cache
