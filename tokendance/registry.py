@@ -46,7 +46,7 @@ class Preset(NamedTuple):
     help: str
 
 
-FIDELITY = {  # named trade-offs between exactness and reuse (README, "Fidelity presets")
+FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#fidelity-presets)
     "exact": Preset({"reuse": "prefix"}, "prefix caching only: outputs as full prefill's"),
     "floor": Preset({"reuse": "tokendance", "recompute_ratio": 0.95},
                     "collective reuse recomputing 95% of each span: KL ~2-4x the bf16 noise floor, no faster "
@@ -58,7 +58,7 @@ FIDELITY = {  # named trade-offs between exactness and reuse (README, "Fidelity 
 DEFAULT_REUSE = "tokendance"
 DEFAULT_SELECTION = "epic"
 DEFAULT_DTYPE = "auto"
-DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (README, "Fidelity")
+DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (docs/benchmarks.md#the-recompute-ratio-sweep)
 
 
 def check(kind: str, name: str, names) -> str:
