@@ -69,7 +69,7 @@ class EngineConfig:
     check_layer: int = 1
     # Greedy outputs independent of what else runs in the batch (full and prefix reuse): linear
     # layers in fixed row tiles, prompts computed in chunks that end at fixed positions, every
-    # decode attended alone. See `BATCH_INVARIANT_CHUNK` and README "Reproducible simulations".
+    # decode attended alone. See `BATCH_INVARIANT_CHUNK` and docs/workloads.md#reproducible-simulations.
     batch_invariant: bool = False
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
 

@@ -66,3 +66,13 @@ def test_site_builds_strict(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "python-api" / "index.html").read_text().count('id="tokendance.LLM.generate"') == 1
+
+
+def test_readme_code_is_the_tested_getting_started_code():
+    """The README's Python examples are not run; each must appear word for word on the getting-started
+    page, whose examples are (test_docs_examples.py)."""
+    from tests.docs.pages import blocks
+
+    started = (DOCS / "getting-started.md").read_text()
+    for block in (b for b in blocks(README) if b.lang == "python"):
+        assert block.code.strip() in started, f"README.md:{block.line} is not on getting-started.md"

@@ -43,7 +43,7 @@ class CpuInfo:
     def prefers_prefill_kernel(self) -> bool:
         """Prefill attention in the bf16 C kernel (dot products in AVX512-BF16) rather than SDPA:
         where there is no AMX. With AMX, SDPA measured 2-3x faster on prefill shapes and plain
-        serving 1.14x faster end to end (benchmarks/prefill_kernel.py, benchmarks/roofline.py);
+        serving 1.19x faster end to end (benchmarks/prefill_kernel.py, benchmarks/roofline.py);
         without it the kernel measured 3.4-4.4x faster than SDPA. `TOKENDANCE_PREFILL_KERNEL=1`
         (or 0) forces the choice."""
         forced = os.environ.get("TOKENDANCE_PREFILL_KERNEL")
