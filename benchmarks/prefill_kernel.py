@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokendance.model.attention import AttentionKernels, FusedKeyReader, PrefillAttention, PrefillKernel  # noqa: E402
 from tokendance.model.attention import prefill_attention  # noqa: E402
 from tokendance.model.platform import probe_cpu  # noqa: E402
+from tokendance.model.roofline import best_seconds  # noqa: E402
 from tokendance.model.runner import key_prefix_chunks  # noqa: E402
 
 
@@ -38,16 +38,6 @@ def query_positions(shape: str, keys: int, generator: torch.Generator) -> torch.
     tail = int(0.15 * keys)
     scattered = torch.randperm(keys - tail, generator=generator)[: int(0.05 * keys)]
     return torch.cat([torch.sort(scattered).values, torch.arange(keys - tail, keys)])
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def main() -> None:
@@ -80,7 +70,7 @@ def main() -> None:
                 parts = tuple((a, b, n, torch.arange(n)[None, :] <= positions[a:b, None])
                               for a, b, n in key_prefix_chunks(positions.tolist()))
                 meta = PrefillAttention(0, len(positions), slots, None, parts, positions + 1)
-            seconds = [timed(lambda run=run: prefill_attention(q, new_k, new_v, cache_k, cache_v, meta, run, slots),
+            seconds = [best_seconds(lambda run=run: prefill_attention(q, new_k, new_v, cache_k, cache_v, meta, run, slots),
                              args.repeats) for run in (sdpa, fast)]
             flops = 4 * 64 * 9 * int((positions + 1).sum())  # scores and weighted values of the keys attended
             row = {"shape": shape, "keys": keys, "queries": len(positions), "sdpa_ms": 1000 * seconds[0],

@@ -184,7 +184,8 @@ def machine_peaks(dtype: torch.dtype, cpu_description: str, cache_dir: Path | No
     return peaks
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one untimed."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -197,9 +198,9 @@ def _best_seconds(fn, repeats: int) -> float:
 def _gemm_flops(dtype: torch.dtype, size: int = 2048) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    return 2.0 * size**3 / _best_seconds(lambda: torch.mm(a, b), 3)
+    return 2.0 * size**3 / best_seconds(lambda: torch.mm(a, b), 3)
 
 
 def _bandwidth(num_bytes: int = 512 * 2**20) -> float:
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_seconds(lambda: x.sum(), 5)
+    return num_bytes / best_seconds(lambda: x.sum(), 5)
