@@ -510,3 +510,38 @@ def test_a_span_no_master_holds_is_computed_once_by_its_first_holder(make_llm):
     for ours, reference in zip(one_step.outputs, full.outputs):  # reused KV, not garbage: close to full's
         want, got = reference.logits[0].log_softmax(-1), ours.logits[0].log_softmax(-1)
         assert (want.exp() * (want - got)).sum().item() < 0.1  # measured <= 0.017
+
+
+def feed_turns(names: list[str], round_index: int, earlier: dict[str, str]) -> list[AgentTurn]:
+    """AgentSociety's layout: a persona, a shared heading, an agent's own long profile, then the
+    shared posts of the round (and, after the first round, the agent's own last reply)."""
+    turns = []
+    for index, agent in enumerate(AGENTS):
+        messages = [{"role": "system", "content": persona(agent, 12 + 5 * index)},
+                    {"role": "user", "content": "Your profile, as the town registry keeps it:\n" + persona(agent, 90)}]
+        if agent in earlier:
+            messages.append({"role": "assistant", "content": earlier[agent]})
+        messages += [{"role": "user", "content": utterance(a, round_index)} for a in AGENTS]
+        turns.append(AgentTurn(names[index], messages))
+    return turns
+
+
+def test_agents_without_sessions_find_their_exact_prefix_in_the_prefix_cache(make_llm):
+    """Anonymous agents (a transparent round's) keep no session: their next prompt finds the
+    exact prefix of their last one (persona, heading, profile) in the prefix cache, though a
+    shared heading sits inside it, and runs as full prefill would."""
+    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0)
+    reference = make_llm(dtype="float32", reuse="full")
+    earlier: dict[str, str] = {}
+    for r in range(2):
+        names = [f"anonymous-{r}-{i}" for i in range(len(AGENTS))]
+        turns = feed_turns(names, r, earlier)
+        result = llm.run_round(turns, PARAMS)
+        expected = reference.run_round(turns, PARAMS)
+        assert [o.token_ids for o in result.outputs] == [o.token_ids for o in expected.outputs]
+        for name in names:
+            assert llm.end_agent(name)
+        earlier = {agent: output.text for agent, output in zip(AGENTS, result.outputs)}
+    block = llm.engine.kv.block_size
+    for turn, output in zip(feed_turns(names, 0, {}), result.outputs):  # persona and profile, cached
+        assert output.num_cached_tokens >= len(llm.chat_token_ids(turn.messages[:2])) - 2 * block

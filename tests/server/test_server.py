@@ -711,12 +711,26 @@ def test_gatherer_windows_rounds_and_ordinary():
     g.add(turn("c", ["pc", "tc"], 0.02))
     g.add(turn("d", ["pd", "td"], 0.02, agent_id="dora"))
     g.add(turn("e", ["pe", "te"], 0.03, agent_id="dora"))  # the same agent twice: waits a window
-    assert g.next_deadline() == pytest.approx(0.05)
-    assert g.pop_ready(0.04).rounds == []
-    work = g.pop_ready(0.05)
+    assert g.next_deadline() == pytest.approx(0.08)  # a window after the last arrival
+    assert g.pop_ready(0.07).rounds == []
+    work = g.pop_ready(0.08)
     assert [[t.key for t in r] for r in work.rounds] == [["a", "b", "d"]]
     assert [t.key for t in work.ordinary] == ["c"]
-    assert [t.key for t in g.pop_ready(0.1).rounds[0]] == ["e"] and len(g) == 0
+    assert [t.key for t in g.pop_ready(0.13).rounds[0]] == ["e"] and len(g) == 0
+
+
+def test_gatherer_waits_out_a_burst_up_to_the_round_timeout():
+    """The window restarts with every arrival: a burst longer than the window is one round."""
+    g = RoundGatherer(window_s=0.05, round_timeout_s=0.3)
+    for i in range(8):  # one every 40 ms: 280 ms in all
+        g.add(turn(str(i), [f"p{i}", "x", f"t{i}"], 0.04 * i))
+        assert g.pop_ready(min(0.04 * i + 0.039, 0.299)).rounds == []
+    assert g.next_deadline() == pytest.approx(0.3)  # not 0.33: capped at the round timeout after the first
+    assert [[t.key for t in r] for r in g.pop_ready(0.3).rounds] == [[str(i) for i in range(8)]]
+    g.add(turn("a", ["pa", "x"], 1.0))
+    g.add(turn("b", ["pb", "x"], 1.01))
+    assert g.next_deadline() == pytest.approx(1.06) and g.pop_ready(1.059).rounds == []
+    assert [[t.key for t in r] for r in g.pop_ready(1.06).rounds] == [["a", "b"]] and len(g) == 0
 
 
 def test_gatherer_declared_rounds():

@@ -145,11 +145,24 @@ class KVCacheManager:
             self.free(request_id)
         return len(dropped)
 
-    def mark_irregular(self, request_id: str, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
+    def mark_irregular(self, table_id: TableId, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
         """Offer only the first `num_cacheable_tokens` (exact KV) to the prefix cache, never the rest
-        of the table (e.g. blended, position-corrected copies)."""
-        self.register_computed_blocks(request_id, token_ids, num_cacheable_tokens, namespace)
-        self.tables[request_id].regular = False
+        of the table (e.g. blended, position-corrected copies, master slots)."""
+        kv = self.tables[table_id]
+        kv.regular = False
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        in_order = 0  # leading full blocks whose tokens sit in token order in one block each
+        while in_order < num_cacheable_tokens // size:
+            slots = kv.slots[in_order * size:(in_order + 1) * size]
+            if slots[0] % size or slots != list(range(slots[0], slots[0] + size)):
+                break
+            in_order += 1
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, token_ids[: in_order * size], size, namespace)
+        for index, block_hash in enumerate(hashes):
+            self.pool.set_hash(kv.slots[index * size] // size, block_hash)
 
     def find_prefix_hit(self, token_ids: Sequence[int], namespace: str) -> PrefixHit:
         if not self.enable_prefix_caching:

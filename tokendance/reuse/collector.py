@@ -52,9 +52,9 @@ class KVCollector(ReusePolicy):
         The segments of the session after the cut stay held (pinned) for the prefill (recall)."""
         kv, prepared = self.round_kv.kv, turn.num_prepared
         session: Session | None = kv.unkeep(SessionKey(turn.agent_id), request_id)
-        if session is None:
-            kv.create_table(request_id)
-            return AgentPrefill(request_id, turn, 0)
+        if session is None:  # a new agent, or one whose session was evicted or ended
+            cached = self.round_kv.open_cached(request_id, turn)
+            return AgentPrefill(request_id, turn, cached, from_prefix_cache=True)
         common = min(common_prefix(session.token_ids, turn.token_ids), prepared)
         slots = kv.get_slots(request_id)
         wanted = {s.content for s in turn.spans if s.start >= common}
@@ -68,6 +68,13 @@ class KVCollector(ReusePolicy):
             kv.keep(recall_id, pinned=True)
         kv.truncate(request_id, common)
         return AgentPrefill(request_id, turn, common, recall=recall, recall_table=recall_id)
+
+    def finish(self, agent: AgentPrefill) -> None:
+        """A table opened from the prefix cache offers its exact prefix back to it, for this
+        agent's next prompt when it keeps no session (anonymous agents of transparent rounds) and
+        for every other request. A session's table may hold reused KV anywhere: it offers nothing."""
+        if agent.from_prefix_cache:
+            self.round_kv.offer_exact_prefix(agent)
 
     def prefill(self, agents: list[AgentPrefill]) -> Prefill:
         try:
@@ -85,7 +92,7 @@ class KVCollector(ReusePolicy):
         rk, report = self.round_kv, PrefillReport()
         started = time.perf_counter()
         for agent in agents:
-            agent.reused_spans = agent.spans_to_reuse()
+            _plan_reuse(agent)
         # Masters: a few agents whose prompts hold every distinct span (greedy cover) compute them
         # in full; their in-context KV of each span is the base every other agent reuses (closer
         # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
@@ -99,10 +106,17 @@ class KVCollector(ReusePolicy):
         report.computed_tokens += yield from rk.recompute(masters, private_positions)
         for agent in masters:
             rk.register_masters(agent)
+            if agent.from_prefix_cache:
+                rk.offer_exact_prefix(agent)
+        # The others' prefixes the masters computed (a system prompt, at the same positions) are
+        # prefix-cache hits now: exact, neither checked nor recomputed.
+        others = [a for a in agents if all(a is not m for m in masters)]
+        for agent in others:
+            rk.extend_cached(agent)
+            _plan_reuse(agent)
         # The others in the order they are computed: those with the longest outputs to write
         # first, so the round's last output comes early. A shared span no master holds is computed
         # by its first holder in this order, in its own context, and reused by the later ones.
-        others = [a for a in agents if all(a is not m for m in masters)]
         others.sort(key=lambda a: (-a.max_output_tokens, len(private_positions(a))))
         computed_by: dict[bytes, AgentPrefill] = {}
         for agent in others:
@@ -203,6 +217,24 @@ class KVCollector(ReusePolicy):
         if agent.recall_table is not None:  # copied: the old blocks go back to the pool now
             rk.kv.free(agent.recall_table)
             agent.recall_table, agent.recall = None, {}
+
+
+def _plan_reuse(agent: AgentPrefill) -> None:
+    """The spans the agent reuses. An agent without a session keeps its prefix exact where that
+    is cheap, so that the prefix cache serves it next time (its next prompt, when it keeps no
+    session, starts the same): a reused span shorter than the private text after it (a shared
+    heading before an agent's own profile) is computed, since every token after a reused span
+    is no longer exact."""
+    spans = agent.turn.spans
+    reused = agent.spans_to_reuse()
+    if agent.from_prefix_cache:
+        while reused:
+            span = spans[reused[0]]
+            after = spans[reused[1]].start if len(reused) > 1 else agent.num_prepared
+            if after - span.end <= span.end - span.start:
+                break
+            reused = reused[1:]
+    agent.reused_spans = reused
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:

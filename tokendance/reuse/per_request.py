@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-from tokendance.errors import CapacityError
 from tokendance.reuse.round_kv import (
     AgentPrefill,
     Prefill,
@@ -30,19 +29,11 @@ class PerRequestReuse(ReusePolicy):
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """A private table for the tokens it prepares, its prefix from the prefix cache."""
-        kv, prepared = self.round_kv.kv, turn.num_prepared
-        hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
-        cached = min(hit.num_tokens(kv.block_size), prepared)
-        copies = kv.allocate_slots(request_id, prepared, cached, hit)
-        if copies is None:
-            raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
-        self.round_kv.runner.copy_blocks(copies)
-        return AgentPrefill(request_id, turn, cached)
+        cached = self.round_kv.open_cached(request_id, turn, turn.num_prepared)
+        return AgentPrefill(request_id, turn, cached, from_prefix_cache=True)
 
     def finish(self, agent: AgentPrefill) -> None:
-        # Only the exact prefix before the first blended span may serve as prefix-cache hits.
-        exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
-        self.round_kv.kv.mark_irregular(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
+        self.round_kv.offer_exact_prefix(agent)
 
     def prefill(self, agents: list[AgentPrefill]) -> Prefill:
         report = PrefillReport()

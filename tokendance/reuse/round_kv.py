@@ -23,7 +23,7 @@ import torch
 
 from tokendance.batch import ScheduledRequest
 from tokendance.errors import CapacityError
-from tokendance.kv.manager import KVCacheManager, MasterKey, RecallKey, ScratchKey
+from tokendance.kv.manager import KVCacheManager, MasterKey, PrefixHit, RecallKey, ScratchKey
 from tokendance.model.runner import ModelRunner
 from tokendance.reuse.segments import PromptSpan, TokenizedTurn
 from tokendance.reuse.selection import Selector
@@ -54,6 +54,7 @@ class AgentPrefill:
     recall: dict[bytes, list[int]] = field(default_factory=dict)
     recall_table: RecallKey | None = None  # the table holding the recalled slots until they are copied
     max_output_tokens: int = 0  # what the agent may write once ready (the prefill orders agents by it)
+    from_prefix_cache: bool = False  # its table started from the prefix cache (no session): exact up to its first reused span
 
     @property
     def token_ids(self) -> list[int]:
@@ -134,6 +135,35 @@ class RoundKV:
         self.masters: dict[bytes, list[int]] = {}
 
     # ------------------------------------------------------------ allocation
+
+    def open_cached(self, request_id: str, turn: TokenizedTurn, num_tokens: int | None = None) -> int:
+        """Create the table with the prefix cache's longest hit for the turn (whole blocks, within
+        its prepared tokens), grown to `num_tokens` slots (default: just the hit). Returns the
+        number of cached tokens."""
+        kv = self.kv
+        hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
+        hit = PrefixHit(hit.block_ids[: turn.num_prepared // kv.block_size], hit.block_hashes)
+        cached = hit.num_tokens(kv.block_size)
+        if kv.allocate_slots(request_id, max(cached, num_tokens or 0), cached, hit) is None:
+            raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
+        return cached
+
+    def extend_cached(self, agent: "AgentPrefill") -> None:
+        """Extend a table opened from the prefix cache by what the cache holds now (blocks that
+        agents computed earlier in this round offered)."""
+        kv, size = self.kv, self.kv.block_size
+        hit = kv.find_prefix_hit(agent.token_ids, agent.turn.namespace)
+        have = agent.num_reused_prefix // size
+        more = hit.block_ids[have: agent.num_prepared // size]
+        if agent.from_prefix_cache and len(kv.get_slots(agent.table_id)) == have * size and more:
+            kv.append_shared_slots(agent.table_id, [b * size + i for b in more for i in range(size)])
+            agent.num_reused_prefix += len(more) * size
+
+    def offer_exact_prefix(self, agent: "AgentPrefill") -> None:
+        """Offer the agent's KV before its first reused span to the prefix cache (exact: computed
+        in full context, or a prefix-cache hit); never what follows (blended, copies, masters)."""
+        exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
+        self.kv.mark_irregular(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
 
     def private_slots(self, table_id: str, count: int) -> list[int]:
         """Fresh slots (the KV manager evicts idle sessions if it must), else CapacityError."""

@@ -46,9 +46,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-invariant", action="store_true",
         help="greedy outputs independent of what else runs in the batch (full and prefix reuse; costs speed)")
     add("--gather-window-ms", type=float, default=50.0,
-        help="how long a chat request waits for others to form a round with (0: no transparent rounds)")
+        help="a round of chat requests forms when none has come for this long (0: no transparent rounds)")
     add("--round-timeout-ms", type=float, default=2000.0,
-        help="how long a declared round (round_id + round_size) waits for its missing members")
+        help="how long a declared round (round_id + round_size) waits for its missing members, "
+             "and a transparent one at most")
     add("--api-key", action="append", default=None,
         help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several tenants, whose prefix "
              "caches, sessions and shared KV are kept apart (default: $TOKENDANCE_API_KEY, comma-separated; else none)")

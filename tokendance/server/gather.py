@@ -4,8 +4,10 @@ Three ways into a round:
 
 - declared: requests with the same `round_id` (and cache namespace) form one round, run as soon
   as `round_size` of them arrived, or after `round_timeout` with those that did;
-- transparent: chat requests pending in the same gather window form one round with every other
-  pending request they *overlap* with. Two requests overlap when they share a line of a message
+- transparent: chat requests pending together form one round with every other pending request
+  they *overlap* with. The gathering closes when no request has come for a window (a burst of N
+  agents' requests, parsed and tokenized one after the other, keeps it open), or `round_timeout`
+  after its first request. Two requests overlap when they share a line of a message
   (same role, same line of content, at least `MIN_SHARED_CHARS` long) outside their common prefix
   of such lines: lines are the engine's segments (`chat_segments`), a shared prefix is served
   exactly by prefix caching, and a line repeated at another position is what the KV Collector is
@@ -121,7 +123,7 @@ class RoundGatherer:
     def next_deadline(self) -> float | None:
         deadlines = [self._deadline(g) for g in self._declared.values()]
         if self._pending:
-            deadlines.append(self._pending[0].arrival + self.window_s)
+            deadlines.append(self._pending_deadline())
         if self._ready:
             deadlines.append(0.0)
         return min(deadlines, default=None)
@@ -132,11 +134,16 @@ class RoundGatherer:
         for key, group in list(self._declared.items()):
             if now >= self._deadline(group):
                 work.rounds.append(self._declared.pop(key))
-        if self._pending and now >= self._pending[0].arrival + self.window_s:
+        if self._pending and now >= self._pending_deadline():
             members, work.ordinary = self._split(self._pending, now)
             if members:
                 work.rounds.append(members)
         return work
+
+    def _pending_deadline(self) -> float:
+        """A window after the last transparent turn came, at most the round timeout after the first."""
+        quiet = max(t.arrival for t in self._pending) + self.window_s
+        return min(quiet, self._pending[0].arrival + max(self.round_timeout_s, self.window_s))
 
     def _deadline(self, group: list[ChatTurn]) -> float:
         wait = self.round_timeout_s if group[0].round_size is not None else self.window_s
