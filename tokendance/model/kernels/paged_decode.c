@@ -139,6 +139,14 @@ static inline __attribute__((always_inline)) void prefetch_slot(const Context *c
 
 enum { AHEAD = 4 }; /* rows prefetched ahead of the one read */
 
+/* The same into L2, for a row read a while later (a chunk's values while its scores are computed). */
+static inline __attribute__((always_inline)) void prefetch_slot_l2(const Context *c, const void *cache, int64_t dim,
+                                                                   int64_t slot) {
+    const int64_t bytes = c->num_kv_heads * dim * (c->bf16 ? 2 : 4);
+    const char *row = (const char *)cache + slot * bytes;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
+}
+
 /* Scores of one chunk of n <= CHUNK keys, given by slot and read in place for all KV heads (a
  * slot's heads are contiguous in the pool), against each head's group of rotated queries: one
  * dot product per key and query, reduced across the head dimension, nothing transposed or copied
@@ -149,6 +157,7 @@ static inline __attribute__((always_inline)) void score_rows(const Context *c, i
     float buffer[MAX_DIM] __attribute__((aligned(64)));
     for (int64_t k = 0; k < n; k++) {
         if (k + AHEAD < n) prefetch_slot(c, c->keys, dim, slots[k + AHEAD]);
+        prefetch_slot_l2(c, c->values, dim, slots[k]); /* read after this chunk's scores */
         for (int64_t h = 0; h < c->num_kv_heads; h++) {
             const float *key = row_f32(c, c->keys, dim, slots[k], h, buffer);
             for (int64_t g = 0; g < group; g++) {
@@ -214,6 +223,26 @@ static inline __attribute__((always_inline)) void accumulate(const Context *c, i
     }
 }
 
+/* The next chunk of a request's private keys from column *j on: up to CHUNK slots not covered by
+ * a shared run (shared[j] == 0), all with one shift (*shift). Returns how many; 0 at the end. */
+static inline __attribute__((always_inline)) int64_t next_chunk(const Context *c, const int64_t *slots,
+                                                                const uint8_t *shared, int64_t length, int64_t *j,
+                                                                int64_t *chunk_slots, int64_t *chunk_shift) {
+    int64_t n = 0;
+    *chunk_shift = 0;
+    for (; *j < length && n < CHUNK; (*j)++) {
+        if (shared[*j]) continue;
+        const int64_t shift = *j - c->slot_positions[slots[*j]];
+        if (n == 0) {
+            *chunk_shift = shift;
+        } else if (shift != *chunk_shift) {
+            break; /* the next chunk starts here, with its own rotation */
+        }
+        chunk_slots[n++] = slots[*j];
+    }
+    return n;
+}
+
 /* A request's private keys: its columns not covered by a shared run (shared[j] == 0), in chunks
  * of keys with one shift (the queries are rotated when it changes). states: [num_heads]. */
 static inline __attribute__((always_inline)) void private_item(const Context *c, int64_t dim, int64_t group,
@@ -228,20 +257,8 @@ static inline __attribute__((always_inline)) void private_item(const Context *c,
         rotate_queries(c, q + h * group * dim, 0, rotated[h]);
         init_states(c, states + h * group);
     }
-    int64_t j = 0;
-    while (j < length) {
-        int64_t n = 0, chunk_shift = 0;
-        for (; j < length && n < CHUNK; j++) {
-            if (shared[j]) continue;
-            const int64_t shift = j - c->slot_positions[slots[j]];
-            if (n == 0) {
-                chunk_shift = shift;
-            } else if (shift != chunk_shift) {
-                break; /* the next chunk starts here, with its own rotation */
-            }
-            chunk_slots[n++] = slots[j];
-        }
-        if (n == 0) break;
+    int64_t j = 0, n, chunk_shift;
+    while ((n = next_chunk(c, slots, shared, length, &j, chunk_slots, &chunk_shift))) {
         if (chunk_shift != current_shift) {
             for (int64_t h = 0; h < num_kv_heads; h++) rotate_queries(c, q + h * group * dim, chunk_shift, rotated[h]);
             current_shift = chunk_shift;
@@ -385,6 +402,121 @@ static inline __attribute__((always_inline)) void read_run_bf16(int64_t group, c
     }
 }
 
+/* r[k] = the sum of v[k]'s 16 lanes, for 16 vectors at once (a transposing reduction tree). */
+static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of v[4i .. 4i+3] */
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+/* Row `slot`, KV head h of a bf16 pool of head size 64, as four float32 vectors. */
+static inline __attribute__((always_inline)) void load_row_f32(const uint16_t *pool, int64_t offset, __m512 out[4]) {
+    for (int64_t j = 0; j < 4; j++)
+        out[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pool + offset + 16 * j))), 16));
+}
+
+/* One chunk of n <= CHUNK private keys (by slot) against every KV head's query group (bf16
+ * pairs, two vectors per query; query[h][g]), folded into `states` ([num_kv_heads][group]): scores
+ * in bf16 dot products (float32 sums) reduced 16 keys at a time, all heads of a key together (a
+ * slot's heads are contiguous in the pool), softmax and values in float32. */
+static inline __attribute__((always_inline)) void private_chunk_bf16(const Context *c, int64_t group,
+                                                                     const __m512bh query[][MAX_GROUP][2],
+                                                                     const int64_t *slots, int64_t n, State *states) {
+    const int64_t num_kv_heads = c->num_kv_heads, num_queries = num_kv_heads * group, num_tiles = (n + 15) / 16;
+    const uint16_t *keys = c->keys, *values = c->values;
+    __m512 s[MAX_HEADS * 4][TILES], part[MAX_HEADS * 4][16];
+    float weights[MAX_HEADS * 4][CHUNK] __attribute__((aligned(64)));
+    for (int64_t t = 0; t < num_tiles; t++) {
+        for (int64_t k = 0; k < 16; k++) {
+            if (16 * t + k >= n) {
+                for (int64_t i = 0; i < num_queries; i++) part[i][k] = _mm512_setzero_ps();
+                continue;
+            }
+            if (16 * t + k + AHEAD < n) prefetch_slot(c, c->keys, 64, slots[16 * t + k + AHEAD]);
+            prefetch_slot_l2(c, c->values, 64, slots[16 * t + k]); /* read after this chunk's scores */
+            const uint16_t *row = keys + slots[16 * t + k] * num_kv_heads * 64;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row + h * 64);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + h * 64 + 32);
+                for (int64_t g = 0; g < group; g++)
+                    part[h * group + g][k] = _mm512_dpbf16_ps(
+                        _mm512_dpbf16_ps(_mm512_setzero_ps(), query[h][g][0], k0), query[h][g][1], k1);
+            }
+        }
+        const int64_t left = n - 16 * t;
+        for (int64_t i = 0; i < num_queries; i++) {
+            s[i][t] = sum_lanes16(part[i]);
+            if (left < 16) s[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << left) - 1), s[i][t]);
+        }
+    }
+    float correction[MAX_HEADS * 4];
+    for (int64_t i = 0; i < num_queries; i++) {
+        State *state = &states[i];
+        __m512 top = _mm512_set1_ps(state->max);
+        for (int64_t t = 0; t < num_tiles; t++) top = _mm512_max_ps(top, s[i][t]);
+        const float chunk_max = _mm512_reduce_max_ps(top);
+        correction[i] = exp_nonpositive(state->max - chunk_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const __m512 w = exp512_nonpositive(_mm512_sub_ps(s[i][t], _mm512_set1_ps(chunk_max)));
+            _mm512_store_ps(weights[i] + 16 * t, w);
+            sum = _mm512_add_ps(sum, w);
+        }
+        state->max = chunk_max;
+        state->sum = state->sum * correction[i] + _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        __m512 acc[4][4];
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < 4; j++)
+                acc[g][j] = _mm512_mul_ps(_mm512_loadu_ps(states[h * group + g].acc + 16 * j),
+                                          _mm512_set1_ps(correction[h * group + g]));
+        for (int64_t k = 0; k < n; k++) {
+            __m512 v[4];
+            load_row_f32(values, (slots[k] * num_kv_heads + h) * 64, v);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 w = _mm512_set1_ps(weights[h * group + g][k]);
+                for (int64_t j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < 4; j++) _mm512_storeu_ps(states[h * group + g].acc + 16 * j, acc[g][j]);
+    }
+}
+
+/* private_item for a bf16 pool of head size 64 where the CPU has bf16 dot products. */
+static inline __attribute__((always_inline)) void private_item_bf16(const Context *c, int64_t group, const float *q,
+                                                                    const int64_t *slots, const uint8_t *shared,
+                                                                    int64_t length, State *states) {
+    const int64_t num_kv_heads = c->num_kv_heads;
+    float rotated[MAX_GROUP][MAX_DIM];
+    __m512bh query[MAX_HEADS][MAX_GROUP][2];
+    int64_t chunk_slots[CHUNK];
+    int64_t current_shift = 0, j = 0, n, chunk_shift, rotated_yet = 0;
+    for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + h * group);
+    while ((n = next_chunk(c, slots, shared, length, &j, chunk_slots, &chunk_shift))) {
+        if (!rotated_yet || chunk_shift != current_shift) {
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                rotate_queries(c, q + h * group * 64, chunk_shift, rotated);
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t half = 0; half < 2; half++)
+                        query[h][g][half] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(rotated[g] + 32 * half + 16),
+                                                                _mm512_loadu_ps(rotated[g] + 32 * half));
+            }
+            current_shift = chunk_shift, rotated_yet = 1;
+        }
+        private_chunk_bf16(c, group, query, chunk_slots, n, states);
+    }
+}
+
 static inline __attribute__((always_inline)) void shared_item_bf16(const Context *c, int64_t group, const float *q,
                                                                    const Run *run, const Reader *readers,
                                                                    float *scratch, State *states) {
@@ -423,6 +555,13 @@ static inline __attribute__((always_inline)) void work_item(
     const Reader *readers, const int64_t *offsets, float *scratch, State *partials) {
     const int64_t num_heads = c->num_heads;
     if (index < batch) { /* request `index`'s private keys */
+#if defined(__AVX512BF16__)
+        if (c->bf16 && dim == 64 && group <= 4) {
+            private_item_bf16(c, group, q + index * num_heads * dim, slots + index * width, shared + index * width,
+                              lengths[index], partials + index * num_heads);
+            return;
+        }
+#endif
         private_item(c, dim, group, q + index * num_heads * dim, slots + index * width, shared + index * width,
                      lengths[index], partials + index * num_heads);
         return;
