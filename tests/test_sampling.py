@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from tokendance import SamplingParams
 from tokendance.errors import InvalidRequestError
-from tokendance.sampling import TokenHistory, adjust_logits
+from tokendance.sampling import TokenHistory, adjust_logits, draw
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -195,3 +195,17 @@ def test_request_fields_override_the_models_sampling_defaults():
     params = body.sampling_params(None, {"temperature": 0.7, "top_p": 0.8, "top_k": 20})
     assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.5, 20)
     assert body.sampling_params(None).temperature == SamplingParams().temperature  # no defaults: OpenAI's
+
+
+def test_draws_follow_the_probabilities_and_never_pick_an_impossible_token():
+    probs = torch.softmax(torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2, dim=-1)
+    probs[[0, 5, 11]] = 0.0  # the first, a middle and the last token cannot be drawn
+    probs /= probs.sum()
+    generator = torch.Generator().manual_seed(1)
+    counts = Counter(draw(probs, generator) for _ in range(20000))
+    assert not {0, 5, 11} & counts.keys()
+    observed = torch.tensor([counts[i] / 20000 for i in range(12)])
+    assert (observed - probs).abs().max() < 0.015  # ~4 standard deviations of the largest cell
+    a, b = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    assert [draw(probs, a) for _ in range(20)] == [draw(probs, b) for _ in range(20)]  # a seed replays its draws
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), None) == 2

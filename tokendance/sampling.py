@@ -238,6 +238,16 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], count: i
             for t, c, i, v, r in zip(targets, chosen[:, 0].tolist(), top_ids, top_values, ranks)]
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a row of probabilities by inverting its CDF with one uniform number: one
+    random draw, not one per vocabulary entry (torch.multinomial draws an exponential per token:
+    ~1 ms a row over SmolLM2's 49k tokens, against ~0.05 ms). Tokens of probability 0 are never
+    drawn (their CDF equals the token's before them)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, dtype=torch.float64, generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+
+
 class Sampler:
     """Turns a batch of logits into one token per row. Seeded requests own a generator for their
     whole life, so their draws do not depend on batch composition; guided requests (structured
@@ -324,7 +334,7 @@ class Sampler:
             drop[0] = False  # a top_p below float32's range (1e-300) compares as 0: the top token stays
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))
+        return draw(probs, self._generator(request_id, p))
 
     def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator | None:
         if p.seed is None:
