@@ -72,6 +72,9 @@ class EngineConfig:
     # decode attended alone. See `BATCH_INVARIANT_CHUNK` and docs/workloads.md#reproducible-simulations.
     batch_invariant: bool = False
     collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
+    # In-round anchors (tokendance): each shared span computed in full in up to this many agents'
+    # contexts, its reused base the mean of those encodings (docs/concepts.md#in-round-anchors).
+    anchors: int = 1
 
     def _apply_fidelity(self) -> None:
         preset = registry.FIDELITY[registry.check("fidelity", self.fidelity, registry.FIDELITY)]
@@ -95,7 +98,7 @@ class EngineConfig:
     def fidelity_name(self) -> str:
         """The preset these reuse settings are ("custom" if none)."""
         for name, preset in registry.FIDELITY.items():
-            if all(getattr(self, k) == v for k, v in preset.settings.items()):
+            if all(getattr(self, k) == v for k, v in {"anchors": 1, **preset.settings}.items()):
                 return name
         return "custom"
 
@@ -113,6 +116,8 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
         if not (isinstance(self.recompute_ratio, (int, float)) and 0.0 <= self.recompute_ratio <= 1.0):
             raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}", "recompute_ratio")
+        if not isinstance(self.anchors, int) or isinstance(self.anchors, bool) or not 1 <= self.anchors <= 8:
+            raise InvalidRequestError(f"anchors must be an integer in [1, 8], got {self.anchors!r}", "anchors")
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}", name)

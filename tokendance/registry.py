@@ -34,6 +34,8 @@ SELECTIONS = {  # which tokens of a reused span are recomputed in their new cont
                          "the tokens whose values deviate most at the check layer"),
     "cacheblend-block": Choice("tokendance.reuse.selection:BlockAwareSelector",
                                "cacheblend, in whole 16-token groups"),
+    "anchor-spread": Choice("tokendance.reuse.selection:AnchorSpreadSelector",
+                            "the tokens whose in-round anchors disagree most (anchors > 1)"),
 }
 DTYPES = {
     "auto": "bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32",

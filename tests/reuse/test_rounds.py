@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from tests.helpers import AGENTS, LOGIT_ATOL, WORDS, history, persona, round_turns, utterance
 from tokendance import (
@@ -545,3 +546,37 @@ def test_agents_without_sessions_find_their_exact_prefix_in_the_prefix_cache(mak
     block = llm.engine.kv.block_size
     for turn, output in zip(feed_turns(names, 0, {}), result.outputs):  # persona and profile, cached
         assert output.num_cached_tokens >= len(llm.chat_token_ids(turn.messages[:2])) - 2 * block
+
+
+def test_blended_kv_is_the_mean_of_position_corrected_encodings(make_llm):
+    """`blend_kv` on the pool: keys of two encodings, stored for other positions, rotated to the
+    target's and averaged; values averaged."""
+    runner = make_llm(dtype="float32", reuse="full").engine.runner
+    cache, generator = runner.kv_cache, torch.Generator().manual_seed(0)
+    a, b, target = list(range(0, 8)), list(range(16, 24)), list(range(32, 40))
+    cache.positions[a], cache.positions[b] = torch.arange(100, 108), torch.arange(7, 15)
+    for keys, values in zip(cache.keys, cache.values):
+        for slots in (a, b):
+            keys[slots] = torch.randn(keys[slots].shape, generator=generator)
+            values[slots] = torch.randn(values[slots].shape, generator=generator)
+    positions = list(range(50, 58))
+    runner.blend_kv([a, b], target, positions)
+    for layer in (0, len(cache.keys) - 1):
+        expected = (runner.read_keys(layer, a, positions) + runner.read_keys(layer, b, positions)) / 2
+        torch.testing.assert_close(runner.read_keys(layer, target, positions), expected)
+        torch.testing.assert_close(cache.values[layer][target], (cache.values[layer][a] + cache.values[layer][b]) / 2)
+
+
+def test_in_round_anchors_compute_spans_in_more_contexts_and_stay_exact_at_full_recompute(make_llm):
+    turns = village_round(8)
+    reference = make_llm(dtype="float32", reuse="full").run_round(turns, PARAMS)
+    computed = []
+    for anchors in (1, 2):
+        exact = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0, anchors=anchors).run_round(turns, PARAMS)
+        assert [o.token_ids for o in exact.outputs] == [o.token_ids for o in reference.outputs]
+        reused = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.0, anchors=anchors).run_round(turns, PARAMS)
+        computed.append(reused.stats.computed_tokens)
+        assert reused.stats.shared_compression > 1  # the others still reuse one base per span
+    assert computed[1] > computed[0]  # more agents computed their prompts in full
+    with pytest.raises(InvalidRequestError):
+        make_llm(anchors=0)

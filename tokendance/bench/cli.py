@@ -64,6 +64,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-selections", nargs="+", default=["epic", "cacheblend"],
                         choices=list(registry.SELECTIONS),
                         help="selection policies of the sweep")
+    parser.add_argument("--sweep-anchors", type=int, nargs="*", default=[],
+                        help="--fidelity: also tokendance with each of these in-round anchor counts (> 1), with each "
+                             "--sweep-selections at each --sweep-ratios")
     parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's and --fidelity's simulation")
     parser.add_argument("--fidelity", action="store_true",
                         help="the noise-floor report at --sweep-agents instead of the sweep: every mode and "

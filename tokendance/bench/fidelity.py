@@ -32,8 +32,8 @@ def floor_dtype(dtype: str) -> str:
 
 def variants(args) -> dict[str, dict]:
     """label -> engine arguments: `full` first (the reference), the floor, every mode at the
-    bench's ratio, tokendance at each sweep (selection, ratio), every fidelity preset, and
-    tokendance at 1.0 (exact by construction)."""
+    bench's ratio, tokendance at each sweep (selection, ratio) and (selection, anchors, ratio),
+    every fidelity preset, and tokendance at 1.0 (exact by construction)."""
     floor = floor_dtype(args.dtype)
     found = {"full": {"reuse": "full"}, f"full-{floor}": {"reuse": "full", "dtype": floor}}
     for mode in args.modes or list(REUSE_POLICIES):
@@ -42,6 +42,11 @@ def variants(args) -> dict[str, dict]:
     for selection in args.sweep_selections:
         for ratio in args.sweep_ratios or ():
             found[f"{selection}@{ratio:g}"] = {"reuse": "tokendance", "selection": selection, "recompute_ratio": ratio}
+    for selection in args.sweep_selections:
+        for anchors in args.sweep_anchors:
+            for ratio in args.sweep_ratios or ():
+                found[f"{selection}+anchors{anchors}@{ratio:g}"] = {
+                    "reuse": "tokendance", "selection": selection, "anchors": anchors, "recompute_ratio": ratio}
     present = {EngineConfig(**settings).fidelity_name for settings in found.values()}
     for name, preset in FIDELITY.items():
         if name not in present:

@@ -127,17 +127,30 @@ class ModelRunner:
         rotation = self.model.key_rotation(shift)
         return rotate_pairs(keys, rotation.cos, rotation.sin)
 
-    @torch.inference_mode()
     def copy_kv(self, src_slots: list[int], dst_slots: list[int], dst_positions: list[int]) -> None:
         """Copy KV between slots, rotating keys to `dst_positions` (a position-corrected copy)."""
-        src, dst = self._tensor(src_slots), self._tensor(dst_slots)
-        positions = self._tensor(dst_positions)
-        rotation = self.model.key_rotation(positions - self.kv_cache.positions[src])
+        self.blend_kv([src_slots], dst_slots, dst_positions)
+
+    @torch.inference_mode()
+    def blend_kv(self, sources: list[list[int]], dst_slots: list[int], dst_positions: list[int]) -> torch.Tensor:
+        """Write into `dst_slots` the mean of the KV of several slot lists of the same tokens (keys
+        rotated to `dst_positions` first, means taken in float32), on every layer. Returns how much
+        the sources disagree, per token: the squared distance of their values from the mean,
+        summed over layers and sources ([N] float32; zeros for one source)."""
+        dst, positions = self._tensor(dst_slots), self._tensor(dst_positions)
+        srcs = [self._tensor(slots) for slots in sources]
+        rotations = [self.model.key_rotation(positions - self.kv_cache.positions[src]) for src in srcs]
+        spread = torch.zeros(len(dst_slots))
         for keys, values in zip(self.kv_cache.keys, self.kv_cache.values):
-            rotated = rotate_pairs(keys.index_select(0, src).float(), rotation.cos, rotation.sin)
-            keys.index_copy_(0, dst, rotated.to(keys.dtype))
-            values.index_copy_(0, dst, values.index_select(0, src))
+            key_sum = sum(rotate_pairs(keys.index_select(0, src).float(), r.cos, r.sin) for src, r in zip(srcs, rotations))
+            encodings = [values.index_select(0, src).float() for src in srcs]
+            mean = sum(encodings) / len(srcs)
+            if len(srcs) > 1:
+                spread += sum((e - mean).pow(2).sum(dim=(1, 2)) for e in encodings)
+            keys.index_copy_(0, dst, (key_sum / len(srcs)).to(keys.dtype))
+            values.index_copy_(0, dst, mean.to(values.dtype))
         self.kv_cache.positions.index_copy_(0, dst, positions)
+        return spread
 
     def execute_each(self, out: SchedulerOutput) -> tuple[SchedulerOutput, RunnerOutput, list]:
         """After `out` failed as one batch: each request of it run alone (it rewrites its own new

@@ -26,7 +26,7 @@ from tokendance.reuse.round_kv import (
     count_reuse,
     private_positions,
 )
-from tokendance.reuse.planning import choose_masters, first_holders
+from tokendance.reuse.planning import choose_anchors, first_holders
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.cost import account
 from tokendance.reuse.segments import TokenizedTurn, common_prefix
@@ -43,9 +43,10 @@ class KVCollector(ReusePolicy):
 
     name = "tokendance"
 
-    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent"):
+    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1):
         super().__init__(round_kv)
         self.scope = collective_scope
+        self.anchors = anchors
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """The agent's session table, cut to the longest prefix its new prompt shares with it.
@@ -96,7 +97,7 @@ class KVCollector(ReusePolicy):
         # Masters: a few agents whose prompts hold every distinct span (greedy cover) compute them
         # in full; their in-context KV of each span is the base every other agent reuses (closer
         # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
-        masters = _choose_masters(agents)
+        masters = _choose_masters(agents, self.anchors)
         for agent in masters:  # they compute their shared spans, and still recall their own
             agent.reused_spans = [i for i in agent.reused_spans if agent.turn.spans[i].key is None]
             for index in agent.reused_spans:
@@ -108,6 +109,8 @@ class KVCollector(ReusePolicy):
             rk.register_masters(agent)
             if agent.from_prefix_cache:
                 rk.offer_exact_prefix(agent)
+        if self.anchors > 1:  # in-round anchors: each span's base is the mean of its encodings
+            rk.blend_masters(masters)
         # The others' prefixes the masters computed (a system prompt, at the same positions) are
         # prefix-cache hits now: exact, neither checked nor recomputed.
         others = [a for a in agents if all(a is not m for m in masters)]
@@ -154,7 +157,8 @@ class KVCollector(ReusePolicy):
             for agent in agents:
                 for index in agent.reused_spans:
                     span = agent.turn.spans[index]
-                    agent.selected[index] = selector.select(span.end - span.start, None)
+                    spread = rk.spread.get(span.key) if selector.uses_anchor_spread else None
+                    agent.selected[index] = selector.select(span.end - span.start, spread)
             return 0.0
         with_spans = [a for a in agents if a.reused_spans]
         probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
@@ -243,9 +247,9 @@ def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
     return [agents[i] for i in first_holders(keys)]
 
 
-def _choose_masters(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """Agents that compute their prompts in full so that their shared spans become masters
-    (`reuse/planning.py`: choose_masters)."""
+def _choose_masters(agents: list[AgentPrefill], anchors: int) -> list[AgentPrefill]:
+    """Agents that compute their prompts in full so that their shared spans become masters, each
+    span in up to `anchors` contexts (`reuse/planning.py`: choose_anchors)."""
     spans_of = [{agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start
                  for i in agent.reused_spans if agent.turn.spans[i].key is not None} for agent in agents]
-    return [agents[i] for i in choose_masters(spans_of)]
+    return [agents[i] for i in choose_anchors(spans_of, anchors)]

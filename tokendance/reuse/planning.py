@@ -37,6 +37,20 @@ def choose_masters(spans_of: Sequence[Mapping[bytes, int]]) -> list[int]:
     return masters
 
 
+def choose_anchors(spans_of: Sequence[Mapping[bytes, int]], anchors: int) -> list[int]:
+    """`choose_masters` `anchors` times, each over the agents not chosen yet: a span that enough
+    agents hold is computed in full in up to `anchors` of their contexts (the first are the
+    masters of `anchors=1`)."""
+    chosen: list[int] = []
+    for _ in range(anchors):
+        rest = [i for i in range(len(spans_of)) if i not in chosen]
+        picked = choose_masters([spans_of[i] for i in rest])
+        if not picked:
+            break
+        chosen += [rest[i] for i in picked]
+    return chosen
+
+
 def first_holders(keys_of: Sequence[set[bytes]]) -> list[int]:
     """Indices of a small set of agents whose spans cover every distinct span (greedy, in order)."""
     seen: set[bytes] = set()

@@ -133,6 +133,8 @@ class RoundKV:
         # span key -> slots of its master: the span as the first agent holding it computed it, in
         # that agent's own context (see KVCollector)
         self.masters: dict[bytes, list[int]] = {}
+        # span key -> per token, how much its in-round anchors' encodings disagree (anchors > 1)
+        self.spread: dict[bytes, torch.Tensor] = {}
 
     # ------------------------------------------------------------ allocation
 
@@ -176,6 +178,7 @@ class RoundKV:
         """Forget this round's masters (their blocks live on while any table references them) and
         free what is left of recalled segments."""
         self.masters.clear()
+        self.spread.clear()
         self.kv.free(MasterKey())
         for table_id in list(self.kv.find_kept(RecallKey)):
             self.kv.free(table_id)
@@ -190,6 +193,24 @@ class RoundKV:
                     self.kv.create_table(MasterKey())
                 self.kv.append_shared_slots(MasterKey(), slots)
                 self.masters[span.key] = slots
+
+    def blend_masters(self, anchors: list["AgentPrefill"]) -> None:
+        """Make each span that several of these agents computed in full (in their own contexts)
+        the mean of their encodings, at the first one's positions: the base every other agent
+        reuses (the anchors themselves keep their exact KV)."""
+        holders: dict[bytes, list[tuple[AgentPrefill, PromptSpan]]] = {}
+        for agent in anchors:
+            for span in agent.turn.spans:
+                if span.key is not None and span.start >= agent.num_reused_prefix and span.end <= agent.num_prepared:
+                    holders.setdefault(span.key, []).append((agent, span))
+        for key, found in holders.items():
+            if len(found) < 2 or key not in self.masters:
+                continue
+            first = found[0][1]
+            slots = self.private_slots(MasterKey(), first.end - first.start)
+            self.spread[key] = self.runner.blend_kv([self.kv.get_slots(a.table_id)[s.start:s.end] for a, s in found],
+                                                    slots, list(range(first.start, first.end)))
+            self.masters[key] = slots
 
     def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
         """Base KV of a reused span: the round's master if shared, else the agent's recall."""

@@ -17,6 +17,7 @@ from tokendance.errors import InvalidRequestError
 
 class Selector:
     needs_check_pass: bool = False
+    uses_anchor_spread: bool = False  # its deviation is the anchors' disagreement (RoundKV.spread)
 
     def __init__(self, ratio: float):
         if not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
@@ -70,6 +71,15 @@ class BlockAwareSelector(Selector):
             if len(chosen) >= k:
                 break
         return sorted(chosen[:k] if self.ratio < 1.0 else chosen)
+
+
+class AnchorSpreadSelector(CacheBlendSelector):
+    """Top-r fraction of tokens by how much the span's in-round anchors disagree (the encodings
+    of the span computed in full in several agents' contexts; `anchors` > 1): the tokens whose KV
+    depends most on the context. No check pass; spans without anchors fall back to EPIC's."""
+
+    needs_check_pass = False
+    uses_anchor_spread = True
 
 
 class EpicSelector(Selector):

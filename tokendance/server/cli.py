@@ -41,6 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of each reused span's tokens recomputed in its new context")
     add("--selection", default=registry.DEFAULT_SELECTION, choices=list(registry.SELECTIONS),
         help="which tokens of a reused span are recomputed (" + registry.describe(registry.SELECTIONS) + ")")
+    add("--anchors", type=int, default=1,
+        help="in-round anchors: each shared span computed in full in up to this many agents' contexts, "
+             "its reused base the mean of them (1: one master)")
     add("--fidelity", default=None, choices=list(registry.FIDELITY),
         help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
     add("--batch-invariant", action="store_true",
@@ -87,6 +90,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise InvalidRequestError("--replicas must be >= 1")
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
+                   "anchors": args.anchors,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
                 "max_num_seqs": args.max_num_seqs, "batch_invariant": args.batch_invariant,
