@@ -30,11 +30,15 @@ def test_fidelity_presets_set_the_reuse_knobs():
         assert {k: getattr(config, k) for k in preset.settings} == preset.settings
         assert config.fidelity_name == name
     assert EngineConfig(reuse="pic").fidelity_name == "custom"
+    assert EngineConfig(anchors=2).fidelity_name == "custom"  # every knob a preset sets counts
+    assert EngineConfig(fidelity="balanced").anchors == 4
+    with pytest.raises(InvalidRequestError, match="fidelity='balanced' sets anchors=4"):
+        EngineConfig(fidelity="balanced", anchors=2)
     assert EngineConfig(fidelity="floor", recompute_ratio=0.95).recompute_ratio == 0.95  # agreeing is fine
     with pytest.raises(InvalidRequestError, match="fidelity='exact' sets reuse='prefix'") as error:
         EngineConfig(fidelity="exact", reuse="pic")
     assert error.value.param == "fidelity"
-    with pytest.raises(InvalidRequestError, match="^fidelity must be one of exact, floor, fast"):
+    with pytest.raises(InvalidRequestError, match="^fidelity must be one of exact, floor, balanced, fast"):
         EngineConfig(fidelity="perfect")
 
 

@@ -63,8 +63,8 @@ class EngineConfig:
     reuse: str = registry.DEFAULT_REUSE  # a name of registry.REUSE_POLICIES
     recompute_ratio: float = registry.DEFAULT_RECOMPUTE_RATIO
     selection: str = registry.DEFAULT_SELECTION  # a name of registry.SELECTIONS
-    # A named preset of the reuse knobs (registry.FIDELITY: "exact", "floor", "fast"); it sets
-    # reuse and recompute_ratio, and refuses other values for them.
+    # A named preset of the reuse knobs (registry.FIDELITY: "exact", "floor", "balanced", "fast");
+    # it sets reuse, recompute_ratio and anchors, and refuses other values for them.
     fidelity: str | None = None
     check_layer: int = 1
     # Greedy outputs independent of what else runs in the batch (full and prefix reuse): linear
@@ -78,7 +78,8 @@ class EngineConfig:
 
     def _apply_fidelity(self) -> None:
         preset = registry.FIDELITY[registry.check("fidelity", self.fidelity, registry.FIDELITY)]
-        defaults = {"reuse": registry.DEFAULT_REUSE, "recompute_ratio": registry.DEFAULT_RECOMPUTE_RATIO}
+        defaults = {"reuse": registry.DEFAULT_REUSE, "recompute_ratio": registry.DEFAULT_RECOMPUTE_RATIO,
+                    "selection": registry.DEFAULT_SELECTION, "anchors": 1}
         for name, value in preset.settings.items():
             given = getattr(self, name)
             if given != value and given != defaults[name]:
@@ -98,7 +99,8 @@ class EngineConfig:
     def fidelity_name(self) -> str:
         """The preset these reuse settings are ("custom" if none)."""
         for name, preset in registry.FIDELITY.items():
-            if all(getattr(self, k) == v for k, v in {"anchors": 1, **preset.settings}.items()):
+            settings = {"selection": registry.DEFAULT_SELECTION, "anchors": 1, **preset.settings}
+            if all(getattr(self, k) == v for k, v in settings.items()):
                 return name
         return "custom"
 

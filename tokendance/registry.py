@@ -53,6 +53,9 @@ FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#f
     "floor": Preset({"reuse": "tokendance", "recompute_ratio": 0.95},
                     "collective reuse recomputing 95% of each span: KL ~2-4x the bf16 noise floor, no faster "
                     "than exact"),
+    "balanced": Preset({"reuse": "tokendance", "recompute_ratio": 0.05, "anchors": 4, "selection": "anchor-spread"},
+                       "collective reuse over 4 in-round anchors, recomputing the 5% they disagree on most: KL ~9x "
+                       "the floor at 2.4x shared-span compression, ~1.07x the default's round TTFT"),
     "fast": Preset({"reuse": "tokendance", "recompute_ratio": 0.05},
                    "collective reuse recomputing 5% (the default settings): the most reuse, KL ~17-36x the floor"),
 }
