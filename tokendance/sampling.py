@@ -239,13 +239,14 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], count: i
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a row of probabilities by inverting its CDF with one uniform number: one
-    random draw, not one per vocabulary entry (torch.multinomial draws an exponential per token:
-    ~1 ms a row over SmolLM2's 49k tokens, against ~0.05 ms). Tokens of probability 0 are never
-    drawn (their CDF equals the token's before them)."""
-    cdf = probs.double().cumsum(0)
-    u = torch.rand(1, dtype=torch.float64, generator=generator) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+    """One token from a row of probabilities: the exponential race (argmax of p_i / E_i, E_i ~
+    Exp(1)), as torch.multinomial draws one token, with E_i = -log(U_i) from uniform numbers
+    (~3x faster than multinomial's exponential_ over SmolLM2's 49k tokens). A race, unlike
+    inverting the CDF, keeps a seeded draw where it was when the probabilities move a little (a
+    prompt served from the prefix cache): only near ties can change the winner. Tokens of
+    probability 0 never win."""
+    race = torch.rand(probs.shape, generator=generator).log_().neg_()
+    return int((probs / race).argmax())
 
 
 class Sampler:

@@ -115,8 +115,8 @@ def test_noise_floor_report_scores_every_setting_on_fulls_tokens(tmp_path, model
     assert "rounds" not in results and "sweep" not in results
     rows = {r["setting"]: r for r in results["fidelity"]["rows"]}
     floor = results["fidelity"]["floor"]
-    assert set(rows) == {floor, "prefix", "tokendance", "epic@0", "tokendance@0.95", "tokendance@1"}
-    assert {r["preset"] for r in rows.values()} >= {"exact", "floor", "fast"}
+    assert set(rows) == {floor, "prefix", "tokendance", "epic@0", "tokendance@0.95", "balanced", "tokendance@1"}
+    assert {r["preset"] for r in rows.values()} >= {"exact", "floor", "balanced", "fast"}
     assert rows[floor]["kl_mean_ratio"] == 1.0
     for row in rows.values():
         assert row["positions"] == 2 * 3 * 4  # rounds x agents x forced tokens

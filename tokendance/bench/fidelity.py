@@ -51,7 +51,9 @@ def variants(args) -> dict[str, dict]:
     for name, preset in FIDELITY.items():
         if name not in present:
             ratio = preset.settings.get("recompute_ratio")
-            found[preset.settings["reuse"] + ("" if ratio is None else f"@{ratio:g}")] = dict(preset.settings)
+            plain = preset.settings.keys() <= {"reuse", "recompute_ratio"}  # else named by the preset
+            label = preset.settings["reuse"] + ("" if ratio is None else f"@{ratio:g}") if plain else name
+            found[label] = dict(preset.settings)
     found["tokendance@1"] = {"reuse": "tokendance", "recompute_ratio": 1.0}
     return found
 

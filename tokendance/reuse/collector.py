@@ -247,7 +247,7 @@ def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
     return [agents[i] for i in first_holders(keys)]
 
 
-def _choose_masters(agents: list[AgentPrefill], anchors: int) -> list[AgentPrefill]:
+def _choose_masters(agents: list[AgentPrefill], anchors: int = 1) -> list[AgentPrefill]:
     """Agents that compute their prompts in full so that their shared spans become masters, each
     span in up to `anchors` contexts (`reuse/planning.py`: choose_anchors)."""
     spans_of = [{agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start

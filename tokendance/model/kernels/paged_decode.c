@@ -428,7 +428,7 @@ static inline __attribute__((always_inline)) void load_row_f32(const uint16_t *p
  * in bf16 dot products (float32 sums) reduced 16 keys at a time, all heads of a key together (a
  * slot's heads are contiguous in the pool), softmax and values in float32. */
 static inline __attribute__((always_inline)) void private_chunk_bf16(const Context *c, int64_t group,
-                                                                     const __m512bh query[][MAX_GROUP][2],
+                                                                     const __m512bh query[][MAX_GROUP][4],
                                                                      const int64_t *slots, int64_t n, State *states) {
     const int64_t num_kv_heads = c->num_kv_heads, num_queries = num_kv_heads * group, num_tiles = (n + 15) / 16;
     const uint16_t *keys = c->keys, *values = c->values;
@@ -446,9 +446,12 @@ static inline __attribute__((always_inline)) void private_chunk_bf16(const Conte
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row + h * 64);
                 const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + h * 64 + 32);
-                for (int64_t g = 0; g < group; g++)
-                    part[h * group + g][k] = _mm512_dpbf16_ps(
-                        _mm512_dpbf16_ps(_mm512_setzero_ps(), query[h][g][0], k0), query[h][g][1], k1);
+                for (int64_t g = 0; g < group; g++) { /* the query's bf16 part, then what rounding left */
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[h][g][0], k0);
+                    dot = _mm512_dpbf16_ps(dot, query[h][g][1], k1);
+                    dot = _mm512_dpbf16_ps(dot, query[h][g][2], k0);
+                    part[h * group + g][k] = _mm512_dpbf16_ps(dot, query[h][g][3], k1);
+                }
             }
         }
         const int64_t left = n - 16 * t;
@@ -498,7 +501,8 @@ static inline __attribute__((always_inline)) void private_item_bf16(const Contex
                                                                     int64_t length, State *states) {
     const int64_t num_kv_heads = c->num_kv_heads;
     float rotated[MAX_GROUP][MAX_DIM];
-    __m512bh query[MAX_HEADS][MAX_GROUP][2];
+    float residual[MAX_DIM];
+    __m512bh query[MAX_HEADS][MAX_GROUP][4]; /* each query as bf16 + bf16 (~16 bits of mantissa) */
     int64_t chunk_slots[CHUNK];
     int64_t current_shift = 0, j = 0, n, chunk_shift, rotated_yet = 0;
     for (int64_t h = 0; h < num_kv_heads; h++) init_states(c, states + h * group);
@@ -506,10 +510,16 @@ static inline __attribute__((always_inline)) void private_item_bf16(const Contex
         if (!rotated_yet || chunk_shift != current_shift) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 rotate_queries(c, q + h * group * 64, chunk_shift, rotated);
-                for (int64_t g = 0; g < group; g++)
-                    for (int64_t half = 0; half < 2; half++)
+                for (int64_t g = 0; g < group; g++) {
+                    for (int64_t i = 0; i < 64; i++)
+                        residual[i] = rotated[g][i] - bf16_to_float(float_to_bf16(rotated[g][i]));
+                    for (int64_t half = 0; half < 2; half++) {
                         query[h][g][half] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(rotated[g] + 32 * half + 16),
                                                                 _mm512_loadu_ps(rotated[g] + 32 * half));
+                        query[h][g][2 + half] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(residual + 32 * half + 16),
+                                                                    _mm512_loadu_ps(residual + 32 * half));
+                    }
+                }
             }
             current_shift = chunk_shift, rotated_yet = 1;
         }
