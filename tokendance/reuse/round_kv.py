@@ -146,8 +146,10 @@ class RoundKV:
         hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
         hit = PrefixHit(hit.block_ids[: turn.num_prepared // kv.block_size], hit.block_hashes)
         cached = hit.num_tokens(kv.block_size)
-        if kv.allocate_slots(request_id, max(cached, num_tokens or 0), cached, hit) is None:
+        copies = kv.allocate_slots(request_id, max(cached, num_tokens or 0), cached, hit)
+        if copies is None:
             raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
+        self.runner.copy_blocks(copies)  # none while the hit is whole blocks; kept for the invariant
         return cached
 
     def extend_cached(self, agent: "AgentPrefill") -> None:
