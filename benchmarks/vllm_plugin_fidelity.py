@@ -1,12 +1,13 @@
 """Fidelity of the vLLM plugin's reuse against vLLM's own full computation, teacher-forced:
 
-    .venv-vllm/bin/python benchmarks/vllm_plugin_fidelity.py --agents 16 --ratios 1.0 0.15
+    .venv-vllm/bin/python benchmarks/vllm_plugin_fidelity.py --agents 16 --ratios 1.0 0.15 --anchors 1 2
 
 For each agent of a Generative Agents round: vLLM computes its prompt in full and writes a greedy
 continuation C (the reference, with the top-20 log-probs at each step); then the round's prompts
 with C appended are sent again as one tagged round (each agent its own salt), asking vLLM for the
 prompt log-probs of C, which it computes over the connector's KV (`skip_reading_prefix_cache`
-False: the claimed range is read, C is computed). Reported per ratio: KL(full || reused) over the
+False: the claimed range is read, C is computed). Reported per ratio and in-round anchor count
+(each pair its own round): KL(full || reused) over the
 top-20 tokens both sides returned (renormalized; a lower bound of the full KL), its p99, top-1
 agreement and the continuation's mean log-prob change. In-process `vllm.LLM`, enforce_eager.
 """
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="continuation length scored per agent")
     parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.15])
+    parser.add_argument("--anchors", type=int, nargs="+", default=[1], help="in-round anchor counts")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
@@ -59,12 +61,13 @@ def main() -> int:
     full = llm.generate([TokensPrompt(prompt_token_ids=p, cache_salt=f"full-{t.agent_id}") for p, t in zip(prompts, turns)],
                         SamplingParams(temperature=0, max_tokens=args.tokens, logprobs=20, ignore_eos=True), use_tqdm=False)
     print(f"generative-agents N={args.agents}, {dtype}, CPU {cpu.describe()}; {args.tokens} teacher-forced tokens per agent")
-    print(f"{'ratio':>6}{'KL mean':>10}{'KL p99':>10}{'top-1 agree':>13}{'logprob change':>16}{'mirrors':>9}")
-    for round_index, ratio in enumerate(args.ratios):
+    print(f"{'ratio':>6}{'anchors':>8}{'KL mean':>10}{'KL p99':>10}{'top-1 agree':>13}{'logprob change':>16}{'mirrors':>9}")
+    settings = [(ratio, anchors) for ratio in args.ratios for anchors in args.anchors]
+    for round_index, (ratio, anchors) in enumerate(settings):
         scored = []
         for p, t, f in zip(prompts, turns, full):
             tag = {"round_id": f"fid-{round_index}", "round_size": len(turns), "agent_id": t.agent_id,
-                   "recompute_ratio": ratio}
+                   "recompute_ratio": ratio, "anchors": anchors}
             scored.append((TokensPrompt(prompt_token_ids=p + list(f.outputs[0].token_ids), cache_salt=f"r{round_index}-{t.agent_id}"),
                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20, skip_reading_prefix_cache=False, detokenize=False,
                                           extra_args={"kv_transfer_params": {"tokendance": tag}})))
@@ -81,7 +84,7 @@ def main() -> int:
                 agree += max(reference, key=reference.get) == max(reused, key=reused.get)
                 change.append(reused.get(token, float("nan")) - reference[token])
         kls.sort()
-        print(f"{ratio:>6.2f}{sum(kls) / len(kls):>10.4f}{kls[int(0.99 * (len(kls) - 1))]:>10.4f}"
+        print(f"{ratio:>6.2f}{anchors:>8}{sum(kls) / len(kls):>10.4f}{kls[int(0.99 * (len(kls) - 1))]:>10.4f}"
               f"{agree / len(kls):>13.3f}{sum(change) / len(change):>16.4f}{mirrors:>9}")
     return 0
 

@@ -36,6 +36,10 @@ SELECTIONS = {  # which tokens of a reused span are recomputed in their new cont
                                "cacheblend, in whole 16-token groups"),
     "anchor-spread": Choice("tokendance.reuse.selection:AnchorSpreadSelector",
                             "the tokens whose in-round anchors disagree most (anchors > 1)"),
+    "attention": Choice("tokendance.reuse.selection:AttentionSelector",
+                        "the tokens the agent's own tail attends to most at the check layer"),
+    "attention-deviation": Choice("tokendance.reuse.selection:AttentionDeviationSelector",
+                                  "the tokens whose key deviation the agent's tail reads most"),
 }
 DTYPES = {
     "auto": "bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32",

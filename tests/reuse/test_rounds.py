@@ -77,7 +77,7 @@ def test_ratio_zero_keeps_no_private_copy_of_shared_spans(make_llm):
     assert result.stats.shared_compression == pytest.approx(len(AGENTS), rel=0.01)
 
 
-@pytest.mark.parametrize("selection", ["cacheblend", "epic"])
+@pytest.mark.parametrize("selection", ["cacheblend", "epic", "attention"])
 def test_diff_blocks_are_the_selected_tokens_footprint(make_llm, selection):
     ratio = 0.2
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=ratio, selection=selection)
@@ -580,3 +580,34 @@ def test_in_round_anchors_compute_spans_in_more_contexts_and_stay_exact_at_full_
     assert computed[1] > computed[0]  # more agents computed their prompts in full
     with pytest.raises(InvalidRequestError):
         make_llm(anchors=0)
+
+
+def test_the_check_pass_keeps_the_tails_attention_as_transformers_computes_it(make_llm, hf_model):
+    """The attention selectors' score: queries kept by `compute_kv` (over two chunks, as the engine
+    may cut a pass) against the keys of the same pass, summed over the tail's queries and heads,
+    equals transformers' own attention probabilities at that layer."""
+    from tokendance.batch import SchedulerOutput, ScheduledRequest
+    from tokendance.reuse.round_kv import tail_attention
+
+    llm = make_llm(dtype="float32", reuse="full")
+    runner, layer = llm.engine.runner, 1
+    token_ids = llm.chat_token_ids([{"role": "user", "content": utterance(random.Random(3), 30)}])
+    slots, first, cut = list(range(64, 64 + len(token_ids))), len(token_ids) - 12, len(token_ids) - 5
+    kept = []
+    for chunk in (range(0, cut), range(cut, len(token_ids))):
+        item = ScheduledRequest("probe", token_ids[chunk.start:chunk.stop], chunk, slots[:chunk.stop], False, None)
+        kept.append(runner.compute_kv(SchedulerOutput([item]), num_layers=layer + 1, queries_from={"probe": first})["probe"])
+    assert [len(q) for q in kept] == [cut - first, len(token_ids) - cut]
+    keys = runner.read_keys(layer, slots, list(range(len(slots))))
+    mass = tail_attention(torch.cat(kept), keys, first)
+
+    hf_model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            attentions = hf_model(torch.tensor([token_ids]), output_attentions=True).attentions
+    finally:
+        hf_model.config._attn_implementation = "sdpa"
+    expected = attentions[layer][0, :, first:, :].sum(dim=(0, 1)).float()
+    torch.testing.assert_close(mass, expected, atol=1e-4, rtol=1e-4)
+    heads = llm.engine.runner.model.config.num_heads
+    assert mass.sum().item() == pytest.approx((len(token_ids) - first) * heads, rel=1e-5)  # each row sums to 1

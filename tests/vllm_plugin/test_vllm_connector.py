@@ -31,7 +31,7 @@ def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed
 
 
 def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: float | None = None,
-             max_tokens: int = 16, salted: bool = True):
+             max_tokens: int = 16, salted: bool = True, anchors: int | None = None):
     """One request per agent; tagged as one round when `round_id` is given. {agent: output}."""
     params = []
     for agent in prompts:
@@ -40,6 +40,8 @@ def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: 
             tag = {"round_id": round_id, "round_size": len(prompts), "agent_id": agent}
             if ratio is not None:
                 tag["recompute_ratio"] = ratio
+            if anchors is not None:
+                tag["anchors"] = anchors
             extra = {"kv_transfer_params": {"tokendance": tag}}
         params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra))
     requests = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": f"{salt}-{agent}"} if salted else {}))
@@ -67,6 +69,21 @@ def test_recompute_ratio_one_gives_vllms_exact_tokens(vllm_llm):
     assert all(roles(exact)[a] is None for a in prompts)
     claimed = [reused[a].kv_transfer_params["tokendance"]["claimed_tokens"] for a in prompts]
     assert sum(c > 0 for c in claimed) == 5
+    assert tokens(reused) == tokens(exact)
+
+
+def test_in_round_anchors_compute_more_masters_and_stay_exact_at_ratio_one(vllm_llm):
+    """Two anchors: two agents compute in full, the mirrors read the mean of both encodings (at
+    ratio 0 every claimed token of a shared piece is read so), and at ratio 1.0 vLLM's own tokens."""
+    prompts = round_prompts(vllm_llm, 6, seed=4)
+    exact = generate(vllm_llm, prompts, "anchorsref")
+    blended = generate(vllm_llm, prompts, "anchors0", round_id=f"r{next(_ids)}", ratio=0.0, anchors=2)
+    assert sorted(roles(blended).values()) == ["master"] * 2 + ["mirror"] * 4
+    assert all(blended[a].kv_transfer_params["tokendance"]["claimed_tokens"] > 0
+               for a, r in roles(blended).items() if r == "mirror")
+    assert all(len(o.outputs[0].token_ids) > 0 for o in blended.values())
+    reused = generate(vllm_llm, prompts, "anchors1", round_id=f"r{next(_ids)}", ratio=1.0, anchors=2)
+    assert sorted(roles(reused).values()) == ["master"] * 2 + ["mirror"] * 4
     assert tokens(reused) == tokens(exact)
 
 
@@ -157,3 +174,14 @@ def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
 
 def preemptions(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_selections_the_worker_cannot_rank_are_refused_at_start():
+    """The worker's check pass measures key deviation only: a selection ranking by anything else
+    (the anchors' spread, the tail's attention) is refused by name, not run as another."""
+    from tokendance.vllm_plugin.connector import Settings
+
+    for name in ("anchor-spread", "attention", "attention-deviation"):
+        with pytest.raises(ValueError, match=name):
+            Settings.from_extra({"selection": name})
+    assert Settings.from_extra({"selection": "cacheblend-block", "recompute_ratio": 0.3}).selection == "cacheblend-block"

@@ -83,3 +83,29 @@ def test_rotated_keys_equal_keys_computed_at_the_new_position(name):
     moved = KeyRotator(rope)(keys_at(src), src, dst)
     expected = keys_at(dst)
     assert (moved - expected).norm() / expected.norm() < 1e-5
+
+
+def test_anchor_sources_read_the_mean_of_their_encodings_at_the_readers_positions():
+    """`Sources` of two encodings (in-round anchors): keys re-rotated to the reader's positions,
+    then averaged, values averaged; a span with one encoding, padded beside it, reads that one."""
+    rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from tokendance.vllm_plugin.worker import KeyRotator, Sources
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES["default"], dtype=torch.float32)
+    rotate = KeyRotator(rope)
+    layout = FlashLayout(torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM), BLOCK, DIM)
+    slots, k, v = slots_and_kv(30)
+    layout.write(slots, k, v)
+    a, b, alone = slots[:8], slots[8:16], slots[16:24]
+    pa, pb, pc, at = torch.arange(100, 108), torch.arange(7, 15), torch.arange(60, 68), torch.arange(300, 308)
+    half = torch.full((8,), 0.5)
+    keys, values = Sources.cat([Sources([a, b], [pa, pb], [half, half]),
+                                Sources([alone], [pc], [torch.ones(8)])]).read(layout, rotate, torch.cat([at, at]))
+    expected = (rotate(k[:8], pa, at) + rotate(k[8:16], pb, at)) / 2
+    torch.testing.assert_close(keys[:8], expected)
+    torch.testing.assert_close(values[:8], (v[:8] + v[8:16]) / 2)
+    torch.testing.assert_close(keys[8:], rotate(k[16:24], pc, at))
+    torch.testing.assert_close(values[8:], v[16:24])

@@ -45,7 +45,8 @@ def test_tag_parsing_refuses_malformed_params():
     assert RoundTag.parse(None) is None and RoundTag.parse({"other": 1}) is None
     assert RoundTag.parse({"tokendance": {"round_id": "r", "agent_id": "a", "round_size": 2}}) == RoundTag("r", "a", 2)
     for bad in ({"round_id": "r"}, {"round_id": "", "agent_id": "a"}, {"round_id": "r", "agent_id": "a", "round_size": 0},
-                {"round_id": "r", "agent_id": "a", "round_size": True}, "r1"):
+                {"round_id": "r", "agent_id": "a", "round_size": True}, "r1",
+                {"round_id": "r", "agent_id": "a", "anchors": 0}, {"round_id": "r", "agent_id": "a", "anchors": 1.5}):
         with pytest.raises(RoundParamsError):
             RoundTag.parse({"tokendance": bad})
 
@@ -71,6 +72,29 @@ def test_a_round_plans_one_master_and_mirrors_claim_up_to_their_last_shared_piec
     span = spans[0]
     assert (span.length, span.source_block_ids) == (3 * 7, [7, 8])
     assert ids[span.start:span.start + span.length] == prompts[master][span.source_start:span.source_start + span.length]
+
+
+@pytest.mark.parametrize("from_tag", [False, True])
+def test_in_round_anchors_plan_several_masters_and_mirrors_read_all_their_encodings(from_tag):
+    """With 2 anchors (the book's setting, or the first member's tag), a round of four plans two
+    masters; a mirror waits for both, and each of its spans names both encodings of its tokens."""
+    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, anchors=1 if from_tag else 2)
+    prompts = {f"a{i}": prompt([100 + i] * (3 + i), OUTPUTS, [200 + i]) for i in range(4)}
+    for agent, ids in prompts.items():
+        b.add(agent, RoundTag("r1", agent, 4, anchors=2 if from_tag else None), ids, now=0.0)
+    masters = [a for a in prompts if b.find(a).role == "master"]
+    mirrors = [a for a in prompts if b.find(a).role == "mirror"]
+    assert (len(masters), len(mirrors)) == (2, 2)
+    b.mark_ready(masters[0], [1, 2])
+    assert b.claim(mirrors[0], 0, now=0.1) is None  # the second anchor is not computed yet
+    b.mark_ready(masters[1], [3, 4])
+    assert b.claim(mirrors[0], 0, now=0.1) == len(prompts[mirrors[0]]) - 1
+    spans = b.loads_for(b.find(mirrors[0]))
+    assert len(spans) == 1 and {tuple(blocks) for blocks, _ in spans[0].sources} == {(1, 2), (3, 4)}
+    span, ids = spans[0], prompts[mirrors[0]]
+    for blocks, start in span.sources:
+        owner = masters[0] if blocks == [1, 2] else masters[1]
+        assert prompts[owner][start:start + span.length] == ids[span.start:span.start + span.length]
 
 
 def test_claims_skip_what_vllms_prefix_cache_holds():

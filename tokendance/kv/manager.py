@@ -145,9 +145,9 @@ class KVCacheManager:
             self.free(request_id)
         return len(dropped)
 
-    def mark_irregular(self, table_id: TableId, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
-        """Offer only the first `num_cacheable_tokens` (exact KV) to the prefix cache, never the rest
-        of the table (e.g. blended, position-corrected copies, master slots)."""
+    def offer_exact_prefix(self, table_id: TableId, num_cacheable_tokens: int, token_ids, namespace: str) -> None:
+        """Mark the table irregular and offer only its first `num_cacheable_tokens` (exact KV) to
+        the prefix cache, never the rest (e.g. blended, position-corrected copies, master slots)."""
         kv = self.tables[table_id]
         kv.regular = False
         if not self.enable_prefix_caching:
@@ -169,13 +169,17 @@ class KVCacheManager:
             return NO_HIT
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, token_ids, self.block_size, namespace)
+        return PrefixHit(self.cached_blocks(hashes), hashes)
+
+    def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the leading `hashes` (a prefix's block hashes), up to the first miss."""
         block_ids = []
         for block_hash in hashes:
             block_id = self.pool.find_cached(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return PrefixHit(block_ids, hashes)
+        return block_ids
 
     def has(self, table_id: TableId) -> bool:
         return table_id in self.tables

@@ -54,8 +54,7 @@ class KVCollector(ReusePolicy):
         kv, prepared = self.round_kv.kv, turn.num_prepared
         session: Session | None = kv.unkeep(SessionKey(turn.agent_id), request_id)
         if session is None:  # a new agent, or one whose session was evicted or ended
-            cached = self.round_kv.open_cached(request_id, turn)
-            return AgentPrefill(request_id, turn, cached, from_prefix_cache=True)
+            return self.round_kv.open_cached(request_id, turn)
         common = min(common_prefix(session.token_ids, turn.token_ids), prepared)
         slots = kv.get_slots(request_id)
         wanted = {s.content for s in turn.spans if s.start >= common}
@@ -157,22 +156,22 @@ class KVCollector(ReusePolicy):
             for agent in agents:
                 for index in agent.reused_spans:
                     span = agent.turn.spans[index]
-                    spread = rk.spread.get(span.key) if selector.uses_anchor_spread else None
+                    spread = rk.spread.get(span.key) if selector.score == "spread" else None
                     agent.selected[index] = selector.select(span.end - span.start, spread)
             return 0.0
         with_spans = [a for a in agents if a.reused_spans]
         probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
-        fresh = yield from rk.check_keys(probes)
+        fresh = yield from rk.check(probes, attention=selector.needs_queries)
         chosen: dict[bytes, list[int]] = {}
-        for agent, keys in zip(probes, fresh):
+        for agent, checked in zip(probes, fresh):
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
                 if span.key is not None and span.key not in rk.masters:  # its first holder has not computed it yet
                     agent.selected[index] = selector.select(span.end - span.start, None)
                     continue
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
-                deviation = rk.deviation(keys[rows], rk.source_slots(agent, index), range(span.start, span.end))
-                agent.selected[index] = selector.select(span.end - span.start, deviation)
+                scores = rk.span_scores(checked, rows, rk.source_slots(agent, index), range(span.start, span.end))
+                agent.selected[index] = selector.select(span.end - span.start, scores)
                 if span.key is not None:
                     chosen.setdefault(span.key, agent.selected[index])
         if self.scope == "block":

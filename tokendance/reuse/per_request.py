@@ -29,8 +29,7 @@ class PerRequestReuse(ReusePolicy):
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """A private table for the tokens it prepares, its prefix from the prefix cache."""
-        cached = self.round_kv.open_cached(request_id, turn, turn.num_prepared)
-        return AgentPrefill(request_id, turn, cached, from_prefix_cache=True)
+        return self.round_kv.open_cached(request_id, turn, turn.num_prepared)
 
     def finish(self, agent: AgentPrefill) -> None:
         self.round_kv.offer_exact_prefix(agent)
@@ -60,16 +59,16 @@ class PerRequestReuse(ReusePolicy):
         started = time.perf_counter()
         selector = rk.selector
         if selector.needs_check_pass and agent.reused_spans:
-            (keys,) = yield from rk.check_keys([agent])
+            (checked,) = yield from rk.check([agent], attention=selector.needs_queries)
             check = (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
             report.computed_tokens += check
         for index in agent.reused_spans:
             span = agent.turn.spans[index]
-            deviation = None
+            scores = None
             if selector.needs_check_pass:
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
-                deviation = rk.deviation(keys[rows], slots[span.start:span.end], range(span.start, span.end))
-            agent.selected[index] = selector.select(span.end - span.start, deviation)
+                scores = rk.span_scores(checked, rows, slots[span.start:span.end], range(span.start, span.end))
+            agent.selected[index] = selector.select(span.end - span.start, scores)
         report.selection_seconds += time.perf_counter() - started
 
         started = time.perf_counter()

@@ -54,7 +54,9 @@ class AgentPrefill:
     recall: dict[bytes, list[int]] = field(default_factory=dict)
     recall_table: RecallKey | None = None  # the table holding the recalled slots until they are copied
     max_output_tokens: int = 0  # what the agent may write once ready (the prefill orders agents by it)
-    from_prefix_cache: bool = False  # its table started from the prefix cache (no session): exact up to its first reused span
+    # its table started from the prefix cache (no session; exact up to its first reused span):
+    # the hashes of its prompt's full blocks, for later lookups
+    block_hashes: list | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,6 +67,10 @@ class AgentPrefill:
         """Tokens this prefill covers: all but the last (the scheduler computes it and samples),
         or all before a scored tail (`TokenizedTurn.num_prepared`)."""
         return self.turn.num_prepared
+
+    @property
+    def from_prefix_cache(self) -> bool:
+        return self.block_hashes is not None
 
     @property
     def num_cached(self) -> int:
@@ -93,6 +99,10 @@ class Work:
     items: list[ScheduledRequest]
     num_layers: int | None = None
     releases: bool = False
+    # table id -> first position whose queries at the last layer run the engine keeps, into
+    # `queries` (in position order, one tensor per group it ran: [n, Hq, D])
+    queries_from: dict[str, int] | None = None
+    queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +127,19 @@ class PrefillReport:
 
 Prefill = Generator[Work | Ready, None, PrefillReport]  # what a policy's `prefill` is
 
+QUERY_TAIL = 64  # an agent's tail: at most its last 64 prepared tokens after its last reused span,
+MIN_TAIL = 8  # and at least its last 8
+
+
+@dataclass
+class Checked:
+    """What the check pass measured of one agent's tokens [prefix, L-1): their fresh keys at the
+    check layer ([n, Hkv, D] float32) and, when asked, the attention the agent's tail pays each
+    there ([n], summed over the tail's queries and heads)."""
+
+    keys: torch.Tensor
+    attention: torch.Tensor | None = None
+
 
 class RoundKV:
     """KV operations of a round prefill on one engine's KV manager and runner, and the round's
@@ -138,10 +161,9 @@ class RoundKV:
 
     # ------------------------------------------------------------ allocation
 
-    def open_cached(self, request_id: str, turn: TokenizedTurn, num_tokens: int | None = None) -> int:
-        """Create the table with the prefix cache's longest hit for the turn (whole blocks, within
-        its prepared tokens), grown to `num_tokens` slots (default: just the hit). Returns the
-        number of cached tokens."""
+    def open_cached(self, request_id: str, turn: TokenizedTurn, num_tokens: int | None = None) -> AgentPrefill:
+        """The agent's table, created with the prefix cache's longest hit for the turn (whole
+        blocks, within its prepared tokens), grown to `num_tokens` slots (default: just the hit)."""
         kv = self.kv
         hit = kv.find_prefix_hit(turn.token_ids, turn.namespace)
         hit = PrefixHit(hit.block_ids[: turn.num_prepared // kv.block_size], hit.block_hashes)
@@ -150,16 +172,17 @@ class RoundKV:
         if copies is None:
             raise CapacityError(f"the KV pool cannot hold agent {turn.agent_id!r}'s prompt")
         self.runner.copy_blocks(copies)  # none while the hit is whole blocks; kept for the invariant
-        return cached
+        return AgentPrefill(request_id, turn, cached, block_hashes=hit.block_hashes)
 
     def extend_cached(self, agent: "AgentPrefill") -> None:
         """Extend a table opened from the prefix cache by what the cache holds now (blocks that
         agents computed earlier in this round offered)."""
         kv, size = self.kv, self.kv.block_size
-        hit = kv.find_prefix_hit(agent.token_ids, agent.turn.namespace)
         have = agent.num_reused_prefix // size
-        more = hit.block_ids[have: agent.num_prepared // size]
-        if agent.from_prefix_cache and len(kv.get_slots(agent.table_id)) == have * size and more:
+        if not agent.from_prefix_cache or len(kv.get_slots(agent.table_id)) != have * size:
+            return
+        more = kv.cached_blocks(agent.block_hashes[have: agent.num_prepared // size])
+        if more:
             kv.append_shared_slots(agent.table_id, [b * size + i for b in more for i in range(size)])
             agent.num_reused_prefix += len(more) * size
 
@@ -167,7 +190,7 @@ class RoundKV:
         """Offer the agent's KV before its first reused span to the prefix cache (exact: computed
         in full context, or a prefix-cache hit); never what follows (blended, copies, masters)."""
         exact = min((agent.turn.spans[i].start for i in agent.reused_spans), default=agent.num_prepared)
-        self.kv.mark_irregular(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
+        self.kv.offer_exact_prefix(agent.table_id, exact, agent.token_ids, agent.turn.namespace)
 
     def private_slots(self, table_id: str, count: int) -> list[int]:
         """Fresh slots (the KV manager evicts idle sessions if it must), else CapacityError."""
@@ -226,9 +249,10 @@ class RoundKV:
     def master_slots(self, key: bytes) -> list[int]:
         return self.masters[key]
 
-    def check_keys(self, agents: list[AgentPrefill]) -> Generator[Work, None, list[torch.Tensor]]:
+    def check(self, agents: list[AgentPrefill], attention: bool = False) -> Generator[Work, None, list[Checked]]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
-        its real context through the first check_layer+1 layers, in scratch slots."""
+        its real context through the first check_layer+1 layers, in scratch slots; `attention`:
+        and what the agent's tail (`tail_start`) attends to there."""
         scratch = []
         items = []
         try:
@@ -241,12 +265,22 @@ class RoundKV:
                 self.private_slots(table_id, len(new))
                 slots = self.kv.get_slots(table_id)
                 items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
+            tails = {item.request_id: tail_start(agent) for item, agent in zip(items, agents)} if attention else None
+            work = Work(items, num_layers=self.check_layer + 1, queries_from=tails)
             if items:
-                yield Work(items, num_layers=self.check_layer + 1)
-            return [
-                self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:], list(item.positions))
-                for item in items
-            ]
+                yield work
+            found = []
+            for item in items:
+                if not tails:
+                    found.append(Checked(self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:],
+                                                               list(item.positions))))
+                    continue
+                keys = self.runner.read_keys(self.check_layer, item.context_slots, list(range(len(item.context_slots))))
+                queries = work.queries.get(item.request_id)
+                mass = (tail_attention(torch.cat(queries), keys, tails[item.request_id]) if queries
+                        else torch.zeros(len(keys)))
+                found.append(Checked(keys[item.positions.start:], mass[item.positions.start:]))
+            return found
         finally:
             for table_id in scratch:
                 self.kv.free(table_id)
@@ -254,6 +288,15 @@ class RoundKV:
     def deviation(self, fresh: torch.Tensor, slots: list[int], positions: range) -> torch.Tensor:
         cached = self.runner.read_keys(self.check_layer, slots, list(positions))
         return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
+
+    def span_scores(self, checked: Checked, rows: slice, slots: list[int], positions: range) -> torch.Tensor:
+        """What the selector ranks a reused span's tokens by (`Selector.score`), from the check
+        pass: the span is `rows` of the checked tokens, its base KV `slots`, read at `positions`."""
+        score = self.selector.score
+        if score == "attention":
+            return checked.attention[rows]
+        deviation = self.deviation(checked.keys[rows], slots, positions)
+        return deviation * checked.attention[rows] if score == "attention-deviation" else deviation
 
     def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]],
                   releases: bool = False) -> Generator[Work | Ready, None, int]:
@@ -286,6 +329,26 @@ def private_positions(agent: AgentPrefill) -> list[int]:
         chosen = set(agent.selected.get(index, ()))
         reused.update(span.start + o for o in range(span.end - span.start) if o not in chosen)
     return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
+
+
+def tail_start(agent: AgentPrefill) -> int:
+    """The first position of the agent's tail: its private text after its last reused span (the
+    instruction or question it answers), at most QUERY_TAIL tokens, at least MIN_TAIL (reaching
+    back into the span if need be), within the tokens the check pass computes."""
+    last = max((agent.turn.spans[i].end for i in agent.reused_spans), default=agent.num_reused_prefix)
+    start = min(max(last, agent.num_prepared - QUERY_TAIL), agent.num_prepared - MIN_TAIL)
+    return max(start, agent.num_reused_prefix)
+
+
+def tail_attention(queries: torch.Tensor, keys: torch.Tensor, first: int) -> torch.Tensor:
+    """How much attention queries at positions first, first+1, ... ([W, Hq, D], rotated) pay each
+    of the keys at positions 0, 1, ... ([L, Hkv, D], rotated), causally: softmax probabilities
+    summed over the queries and heads ([L] float32)."""
+    width, heads, dim = queries.shape
+    keys = keys.float().repeat_interleave(heads // keys.shape[1], dim=1)  # grouped-query heads
+    logits = torch.einsum("whd,lhd->hwl", queries.float(), keys) / dim ** 0.5
+    after = torch.arange(keys.shape[0])[None, :] > torch.arange(first, first + width)[:, None]
+    return logits.masked_fill_(after, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
 
 
 def count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:

@@ -1,8 +1,8 @@
 """Which reused tokens to recompute in a new context: selection policies as strategy objects.
 
-A policy sees one reused span at a time (its length and, if it asked for a check pass, the
-deviation of each token's cached key from a fresh one at the check layer) and returns the offsets
-to recompute. Tokens that were not reused are always computed; that is not the policy's business.
+A policy sees one reused span at a time (its length and, per token, the score it ranks by: see
+`Selector.score`) and returns the offsets to recompute. Tokens that were not reused are always
+computed; that is not the policy's business.
 """
 
 from __future__ import annotations
@@ -15,9 +15,25 @@ from tokendance import registry
 from tokendance.errors import InvalidRequestError
 
 
+SCORES = {  # what a selector ranks a span's tokens by; the check pass computes all but "spread"
+    "deviation": "how far the cached key is from a fresh one at the check layer",
+    "spread": "how much the span's in-round anchors disagree (RoundKV.spread)",
+    "attention": "the attention the agent's own tail pays the token at the check layer",
+    "attention-deviation": "that attention times the key's deviation",
+}
+
+
 class Selector:
-    needs_check_pass: bool = False
-    uses_anchor_spread: bool = False  # its deviation is the anchors' disagreement (RoundKV.spread)
+    score: str | None = None  # a key of SCORES, None: ranks nothing
+
+    @property
+    def needs_check_pass(self) -> bool:
+        return self.score in ("deviation", "attention", "attention-deviation")
+
+    @property
+    def needs_queries(self) -> bool:
+        """The check pass keeps the queries of each agent's tail (RoundKV.check)."""
+        return self.score in ("attention", "attention-deviation")
 
     def __init__(self, ratio: float):
         if not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
@@ -27,9 +43,10 @@ class Selector:
     def budget(self, length: int) -> int:
         return min(length, math.ceil(self.ratio * length - 1e-9))
 
-    def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
-        """Offsets to recompute in a reused span of `length` tokens. `deviation` is None where no
-        check pass ran: every policy then recomputes the span's first tokens (as EPIC does)."""
+    def select(self, length: int, scores: torch.Tensor | None) -> list[int]:
+        """Offsets to recompute in a reused span of `length` tokens, given each token's `score`.
+        `scores` is None where there are none (no check pass ran, no anchors): every policy then
+        recomputes the span's first tokens (as EPIC does)."""
         raise NotImplementedError
 
     def first_tokens(self, length: int) -> list[int]:
@@ -39,33 +56,33 @@ class Selector:
 class CacheBlendSelector(Selector):
     """Top-r fraction of tokens by squared key deviation at the check layer (CacheBlend)."""
 
-    needs_check_pass = True
+    score = "deviation"
 
-    def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
+    def select(self, length: int, scores: torch.Tensor | None) -> list[int]:
         k = self.budget(length)
-        if k == 0 or deviation is None:
+        if k == 0 or scores is None:
             return self.first_tokens(length)
-        return sorted(torch.topk(deviation, k).indices.tolist())
+        return sorted(torch.topk(scores, k).indices.tolist())
 
 
 class BlockAwareSelector(Selector):
     """Like CacheBlend but in whole groups of `group` consecutive tokens ranked by their summed
     deviation, so the recomputed tokens cluster (fewer touched blocks for the same budget)."""
 
-    needs_check_pass = True
+    score = "deviation"
 
     def __init__(self, ratio: float, group: int = 16):
         super().__init__(ratio)
         self.group = group
 
-    def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
+    def select(self, length: int, scores: torch.Tensor | None) -> list[int]:
         k = self.budget(length)
-        if k == 0 or deviation is None:
+        if k == 0 or scores is None:
             return self.first_tokens(length)
         groups = [(start, min(start + self.group, length)) for start in range(0, length, self.group)]
-        scores = torch.stack([deviation[a:b].sum() for a, b in groups])
+        sums = torch.stack([scores[a:b].sum() for a, b in groups])
         chosen: list[int] = []
-        for index in torch.argsort(scores, descending=True).tolist():
+        for index in torch.argsort(sums, descending=True).tolist():
             a, b = groups[index]
             chosen.extend(range(a, b))
             if len(chosen) >= k:
@@ -78,15 +95,29 @@ class AnchorSpreadSelector(CacheBlendSelector):
     of the span computed in full in several agents' contexts; `anchors` > 1): the tokens whose KV
     depends most on the context. No check pass; spans without anchors fall back to EPIC's."""
 
-    needs_check_pass = False
-    uses_anchor_spread = True
+    score = "spread"
+
+
+class AttentionSelector(CacheBlendSelector):
+    """Top-r fraction of tokens by the attention the agent's own tail (its last private tokens:
+    the instruction or question it answers) pays them at the check layer, in its real context
+    (ProphetKV's idea): the tokens the agent reads most are the ones it gets exact."""
+
+    score = "attention"
+
+
+class AttentionDeviationSelector(CacheBlendSelector):
+    """Top-r fraction of tokens by attention (as `AttentionSelector`) times key deviation (as
+    `CacheBlendSelector`): the error the agent's tail would read from each token."""
+
+    score = "attention-deviation"
 
 
 class EpicSelector(Selector):
     """The first k tokens of each reused span (EPIC): they wrongly act as attention sinks when a
     span is encoded on its own. k = ceil(ratio * span length). No check pass."""
 
-    def select(self, length: int, deviation: torch.Tensor | None) -> list[int]:
+    def select(self, length: int, scores: torch.Tensor | None) -> list[int]:
         return self.first_tokens(length)
 
 

@@ -31,10 +31,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tokendance.reuse.selection import make_selector
+from tokendance.registry import SELECTIONS
+from tokendance.reuse.selection import SCORES, make_selector
 from tokendance.vllm_plugin import handoff
 from tokendance.vllm_plugin.plan import MirrorLoad
-from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.rounds import MAX_ANCHORS, RoundBook, RoundParamsError, RoundTag
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -49,6 +50,7 @@ class Settings:
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0
     claim_tokens_per_step: int = 8192
+    anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -58,7 +60,13 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
-        make_selector(settings.selection, settings.recompute_ratio)  # validates both
+        if not isinstance(settings.anchors, int) or isinstance(settings.anchors, bool) or not 1 <= settings.anchors <= MAX_ANCHORS:
+            raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
+        selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both
+        if selector.score not in (None, "deviation"):  # the worker's check pass measures key deviation only
+            usable = [name for name in SELECTIONS if make_selector(name, 0.0).score in (None, "deviation")]
+            raise ValueError(f"TokenDanceConnector: selection {settings.selection!r} ranks tokens by "
+                             f"{SCORES[selector.score]}, which the plugin does not measure; use one of {usable}")
         return settings
 
 
@@ -137,7 +145,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if self.book is None:
             boundaries = handoff.boundary_token_ids(self._vllm_config.model_config)
             self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s,
-                                  self.settings.claim_tokens_per_step)
+                                  self.settings.claim_tokens_per_step, anchors=self.settings.anchors)
         return self.book
 
     def on_new_request(self, request) -> None:

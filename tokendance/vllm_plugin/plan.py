@@ -9,12 +9,19 @@ from dataclasses import dataclass, field
 @dataclass
 class ReusedSpan:
     """A shared span of a mirror's prompt served from its master's KV: mirror positions
-    [start, start + length) hold the tokens the master holds at [source_start, ...)."""
+    [start, start + length) hold the tokens the master holds at [source_start, ...). With in-round
+    anchors, `anchors` are more masters' encodings of it, (block ids, start), and the span is
+    served their mean with the master's."""
 
     start: int
     length: int
     source_block_ids: list[int]
     source_start: int
+    anchors: list[tuple[list[int], int]] = field(default_factory=list)
+
+    @property
+    def sources(self) -> list[tuple[list[int], int]]:
+        return [(self.source_block_ids, self.source_start), *self.anchors]
 
 
 @dataclass

@@ -9,7 +9,8 @@ into segments; a piece found in two or more prompts of the round is shared. Once
 arrived (or `round_timeout_s` passed), the round is planned with the engine's planning code
 (`reuse/planning.py`): masters compute their prompts in full; every other member (a mirror) is
 held until the masters holding its shared pieces have been computed, then claims its prompt up to
-the end of its last reused piece.
+the end of its last reused piece. With in-round anchors (`anchors` > 1), each shared piece is
+computed in full by up to that many masters, and a mirror reuses the mean of their encodings.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from tokendance.reuse.planning import choose_masters
+from tokendance.reuse.planning import choose_anchors
 from tokendance.reuse.segments import segment_key
 from tokendance.vllm_plugin.plan import ReusedSpan
+
+
+MAX_ANCHORS = 8
 
 
 class RoundParamsError(ValueError):
@@ -34,6 +38,7 @@ class RoundTag:
     round_size: int | None
     namespace: str = ""
     recompute_ratio: float | None = None  # None: the connector's setting
+    anchors: int | None = None  # in-round anchors of its round (the first member's); None: the connector's
 
     @classmethod
     def parse(cls, params) -> "RoundTag | None":
@@ -54,10 +59,14 @@ class RoundTag:
         ratio = tag.get("recompute_ratio")
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
             raise RoundParamsError("kv_transfer_params.tokendance.recompute_ratio must be a number in [0, 1]")
-        unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio"}
+        anchors = tag.get("anchors")
+        if anchors is not None and (not isinstance(anchors, int) or isinstance(anchors, bool)
+                                    or not 1 <= anchors <= MAX_ANCHORS):
+            raise RoundParamsError(f"kv_transfer_params.tokendance.anchors must be an integer in [1, {MAX_ANCHORS}]")
+        unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio", "anchors"}
         if unknown:
             raise RoundParamsError(f"kv_transfer_params.tokendance: unknown fields {sorted(unknown)}")
-        return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio))
+        return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio), anchors)
 
 
 @dataclass
@@ -69,7 +78,8 @@ class Piece:
 
 @dataclass
 class Member:
-    """One request of a round. A mirror's `reusable`: (mirror start, length, master, master start)."""
+    """One request of a round. A mirror's `reusable`: (mirror start, length, [(master, master
+    start), ...]): each piece with every master (anchor) that computes it."""
 
     request_id: str
     tag: RoundTag
@@ -77,7 +87,7 @@ class Member:
     arrived: float
     pieces: list[Piece] = field(default_factory=list)
     role: str = "waiting"  # waiting -> master | mirror | exact
-    reusable: list[tuple[int, int, "Member", int]] = field(default_factory=list)
+    reusable: list[tuple[int, int, list[tuple["Member", int]]]] = field(default_factory=list)
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
     claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
     loaded: bool = False  # a mirror whose load was sent to the workers
@@ -117,8 +127,9 @@ class RoundBook:
     held (one reference each) from its masters' computation until no member needs them."""
 
     def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
-                 claim_tokens_per_step: int = 0, min_piece_tokens: int = 4):
+                 claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1):
         self.boundaries = boundaries
+        self.anchors = anchors  # a round's, unless its first member's tag says otherwise
         # At most this many claimed tokens are admitted in one step (0: no limit): the workers fill
         # a large round's mirrors over several steps, and the first ones decode meanwhile.
         self.claim_tokens_per_step = claim_tokens_per_step
@@ -168,7 +179,7 @@ class RoundBook:
             member.role = "exact"
             return 0
         spans = [r for r in member.reusable if r[0] >= num_computed]
-        masters = {id(m): m for _, _, m, _ in spans}
+        masters = {id(m): m for _, _, sources in spans for m, _ in sources}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
             member.role = "exact"
             return 0
@@ -194,18 +205,20 @@ class RoundBook:
 
     def loads_for(self, member: Member) -> list[ReusedSpan]:
         """The reused spans of a mirror's claim, with their masters' block ids; pieces that follow
-        each other in both prompts are one span."""
+        each other in the mirror's prompt and in every master's are one span."""
         start, end = member.claim
         spans: list[ReusedSpan] = []
-        for s, n, master, ms in member.reusable:
+        for s, n, sources in member.reusable:
             if s < start or s + n > end:
                 continue
             last = spans[-1] if spans else None
-            if (last is not None and last.source_block_ids is master.block_ids and last.start + last.length == s
-                    and last.source_start + last.length == ms):
+            if (last is not None and last.start + last.length == s and len(last.sources) == len(sources)
+                    and all(blocks is m.block_ids and at + last.length == ms
+                            for (blocks, at), (m, ms) in zip(last.sources, sources))):
                 last.length += n
             else:
-                spans.append(ReusedSpan(s, n, master.block_ids, ms))
+                (first, first_start), *more = sources
+                spans.append(ReusedSpan(s, n, first.block_ids, first_start, [(m.block_ids, ms) for m, ms in more]))
         return spans
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
@@ -249,17 +262,18 @@ class RoundBook:
                 holders[key] = holders.get(key, 0) + 1
         shared_of = [{p.key: p.end - p.start for p in m.pieces
                       if holders[p.key] > 1 and p.end - p.start >= self.min_piece_tokens} for m in members]
-        masters = [members[i] for i in choose_masters(shared_of)]
-        where: dict[bytes, tuple[Member, int]] = {}
+        anchors = next((m.tag.anchors for m in members if m.tag.anchors is not None), self.anchors)
+        masters = [members[i] for i in choose_anchors(shared_of, anchors)]
+        where: dict[bytes, list[tuple[Member, int]]] = {}
         for master in masters:
             master.role = "master"
             for piece in master.pieces:
-                where.setdefault(piece.key, (master, piece.start))
+                where.setdefault(piece.key, []).append((master, piece.start))
         for member, shared in zip(members, shared_of):
             if member.role == "master":
                 continue
             member.role = "mirror"
-            member.reusable = [(p.start, p.end - p.start, *where[p.key]) for p in member.pieces
+            member.reusable = [(p.start, p.end - p.start, where[p.key]) for p in member.pieces
                                if p.key in shared and p.key in where]
             if not member.reusable:
                 member.role = "exact"

@@ -7,7 +7,8 @@ For all mirrors of the step at once:
 2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
    fresh key at layer c (`reuse/selection.py`, the engine's selectors);
 3. the copy: for layers c+1.., the master's K/V of the tokens not selected, keys re-rotated to
-   the mirror's positions;
+   the mirror's positions (with in-round anchors, the mean of every anchor's K/V, keys re-rotated
+   first: `Sources`);
 4. the recompute: the selected and private tokens through layers c+1.., from their hidden states
    at layer c, attending over the fused KV.
 At recompute ratio 1.0 every token is recomputed: an exact prefill of the claimed range.
@@ -55,6 +56,43 @@ class KeyRotator:
         k = keys.float()
         a, b = k[..., :half], k[..., half:self.rotary_dim]
         return torch.cat([a * cos - b * sin, b * cos + a * sin, k[..., self.rotary_dim:]], dim=-1).to(keys.dtype)
+
+
+@dataclass
+class Sources:
+    """Where the K/V of reused tokens come from: per encoding e, `slots[e]` read at `positions[e]`
+    (each [N]), weighed `weights[e]` ([N]: 1/k for a token k encodings hold, 0 where a token has
+    fewer than e + 1; that encoding's slot then repeats another)."""
+
+    slots: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+    def read(self, layout: PagedLayout, rotate: KeyRotator, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (re-rotated to positions `at`) and values of the tokens, their encodings' mean."""
+        if len(self.slots) == 1:  # one encoding: a copy
+            keys, values = layout.read(self.slots[0])
+            return rotate(keys, self.positions[0], at), values
+        keys = values = 0.0
+        for slots, positions, weight in zip(self.slots, self.positions, self.weights):
+            k, v = layout.read(slots)
+            keys = keys + rotate(k.float(), positions, at) * weight[:, None, None]
+            values = values + v.float() * weight[:, None, None]
+        dtype = layout.cache.dtype
+        return keys.to(dtype), values.to(dtype)
+
+    def select(self, rows: torch.Tensor) -> "Sources":
+        return Sources([s[rows] for s in self.slots], [p[rows] for p in self.positions], [w[rows] for w in self.weights])
+
+    @classmethod
+    def cat(cls, parts: list["Sources"]) -> "Sources":
+        """Several spans' sources as one, padded to the most encodings any holds."""
+        width = max(len(p.slots) for p in parts)
+        padded = [Sources(p.slots + p.slots[:1] * (width - len(p.slots)),
+                          p.positions + p.positions[:1] * (width - len(p.positions)),
+                          p.weights + [torch.zeros_like(p.weights[0])] * (width - len(p.weights))) for p in parts]
+        return cls(*[[torch.cat([getattr(p, name)[e] for p in padded]) for e in range(width)]
+                     for name in ("slots", "positions", "weights")])
 
 
 @dataclass
@@ -183,29 +221,30 @@ class MirrorPass:
 
     def _select(self, loads, fresh, keep):
         """Choose each span's tokens to recompute (clearing `keep` for the others) and return the
-        copy for the rest: (source slots, source positions, destination slots, destination positions)."""
+        copy for the rest: (their `Sources`, destination slots, destination positions)."""
         c, row = self.check_layer, 0
-        src_slots, src_pos, dst_slots, dst_pos = [], [], [], []
+        sources, dst_slots, dst_pos = [], [], []
         for load in loads:
             for span in load.spans:
                 offsets = torch.arange(span.length)
-                sources = self._slots(span.source_block_ids, span.source_start, span.source_start + span.length)
-                s_pos = offsets + span.source_start
+                weight = torch.full((span.length,), 1 / len(span.sources), device=fresh.device)
+                held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in span.sources],
+                               [offsets + start for _, start in span.sources], [weight] * len(span.sources))
                 d_pos = offsets + span.start
                 rows = row + (span.start - load.start) + offsets
-                cached = self.rotate(self.layouts[c].read(sources)[0], s_pos, d_pos)
+                cached = held.read(self.layouts[c], self.rotate, d_pos)[0]
                 deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
                 chosen = torch.zeros(span.length, dtype=torch.bool)
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
                 reused = ~chosen
                 keep[rows[reused]] = False
-                src_slots.append(sources[reused]), src_pos.append(s_pos[reused])
+                sources.append(held.select(reused))
                 dst_slots.append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
                 dst_pos.append(d_pos[reused])
             row += len(load.token_ids)
-        if not src_slots:
+        if not sources:
             return None
-        return tuple(torch.cat(parts) for parts in (src_slots, src_pos, dst_slots, dst_pos))
+        return Sources.cat(sources), torch.cat(dst_slots), torch.cat(dst_pos)
 
     def _selector(self, ratio: float | None) -> Selector:
         ratio = self.recompute_ratio if ratio is None else ratio
@@ -213,13 +252,12 @@ class MirrorPass:
             self.selectors[ratio] = make_selector(self.selection, ratio)
         return self.selectors[ratio]
 
-    def _copy(self, src_slots, src_pos, dst_slots, dst_pos, layers) -> None:
-        if not len(src_slots):
+    def _copy(self, sources: Sources, dst_slots, dst_pos, layers) -> None:
+        if not len(dst_slots):
             return
         for index in layers:
             layout = self.layouts[index]
-            keys, values = layout.read(src_slots)
-            layout.write(dst_slots, self.rotate(keys, src_pos, dst_pos), values)
+            layout.write(dst_slots, *sources.read(layout, self.rotate, dst_pos))
 
     def _layers(self, indices, positions, hidden, residual, write, attends):
         for index in indices:
