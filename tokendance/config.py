@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tokendance import registry
 from tokendance.model.rope import RopeScaling
 from tokendance.errors import InvalidRequestError
+from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
 
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 
@@ -118,8 +119,8 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_bytes must be 'auto' or an integer > 0, got {self.kv_cache_bytes!r}")
         if not (isinstance(self.recompute_ratio, (int, float)) and 0.0 <= self.recompute_ratio <= 1.0):
             raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}", "recompute_ratio")
-        if not isinstance(self.anchors, int) or isinstance(self.anchors, bool) or not 1 <= self.anchors <= 8:
-            raise InvalidRequestError(f"anchors must be an integer in [1, 8], got {self.anchors!r}", "anchors")
+        if not valid_anchors(self.anchors):
+            raise InvalidRequestError(f"anchors must be an integer in [1, {MAX_ANCHORS}], got {self.anchors!r}", "anchors")
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}", name)

@@ -28,7 +28,7 @@ class Selector:
 
     @property
     def needs_check_pass(self) -> bool:
-        return self.score in ("deviation", "attention", "attention-deviation")
+        return self.score is not None and self.score != "spread"
 
     @property
     def needs_queries(self) -> bool:

@@ -32,10 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tokendance.registry import SELECTIONS
+from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
 from tokendance.reuse.selection import SCORES, make_selector
 from tokendance.vllm_plugin import handoff
 from tokendance.vllm_plugin.plan import MirrorLoad
-from tokendance.vllm_plugin.rounds import MAX_ANCHORS, RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -60,7 +61,7 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
-        if not isinstance(settings.anchors, int) or isinstance(settings.anchors, bool) or not 1 <= settings.anchors <= MAX_ANCHORS:
+        if not valid_anchors(settings.anchors):
             raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
         selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both
         if selector.score not in (None, "deviation"):  # the worker's check pass measures key deviation only

@@ -19,12 +19,9 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from tokendance.reuse.planning import choose_anchors
+from tokendance.reuse.planning import MAX_ANCHORS, choose_anchors, valid_anchors
 from tokendance.reuse.segments import segment_key
 from tokendance.vllm_plugin.plan import ReusedSpan
-
-
-MAX_ANCHORS = 8
 
 
 class RoundParamsError(ValueError):
@@ -60,8 +57,7 @@ class RoundTag:
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
             raise RoundParamsError("kv_transfer_params.tokendance.recompute_ratio must be a number in [0, 1]")
         anchors = tag.get("anchors")
-        if anchors is not None and (not isinstance(anchors, int) or isinstance(anchors, bool)
-                                    or not 1 <= anchors <= MAX_ANCHORS):
+        if anchors is not None and not valid_anchors(anchors):
             raise RoundParamsError(f"kv_transfer_params.tokendance.anchors must be an integer in [1, {MAX_ANCHORS}]")
         unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio", "anchors"}
         if unknown:
