@@ -175,9 +175,92 @@ def test_a_step_admits_claims_up_to_its_budget_and_the_rest_in_later_steps():
     master = next(a for a in prompts if b.find(a).role == "master")
     mirrors = [a for a in prompts if b.find(a).role == "mirror"]
     b.mark_ready(master, [1])
-    claims = [b.claim(m, 0, now=0.0) for m in mirrors]
+    claims = []
+    for m in mirrors:
+        claims.append(b.claim(m, 0, now=0.0))
+        if claims[-1]:
+            b.commit(m, claims[-1])
     assert claims[0] == 26 and claims[1:] == [None, None]  # 26 + 26 > 30: one mirror this step
     b.next_step()
-    assert b.claim(mirrors[1], 0, now=0.0) == 26 and b.claim(mirrors[2], 0, now=0.0) is None
+    assert b.claim(mirrors[1], 0, now=0.0) == 26 and b.commit(mirrors[1], 26) is b.find(mirrors[1])
+    assert b.claim(mirrors[2], 0, now=0.0) is None
     b.next_step()
     assert b.claim(mirrors[2], 0, now=0.0) == 26
+
+
+def test_a_claim_spends_nothing_until_vllm_commits_it():
+    """vLLM may ask twice (an allocation that failed is retried): the same answer, and the step's
+    budget is spent only by `commit`; a commit of another count leaves the member exact."""
+    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
+    prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(4)}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent, size=4), ids, now=0.0)
+    master = next(a for a in prompts if b.find(a).role == "master")
+    first, second, third = [a for a in prompts if b.find(a).role == "mirror"]
+    b.mark_ready(master, [1])
+    assert [b.claim(first, 0, now=0.0) for _ in range(3)] == [26, 26, 26]
+    assert b.claim(second, 0, now=0.0) == 26  # nothing committed yet: the budget is whole
+    assert b.commit(first, 26) is b.find(first)
+    assert b.claim(second, 0, now=0.0) is None  # now it is spent
+    b.next_step()
+    assert b.claim(second, 0, now=0.0) == 26 and b.commit(second, 0) is None  # vLLM took none of it
+    assert b.find(second).role == "exact" and b.claim(second, 0, now=0.0) == 0
+    assert b.commit(master, 0) is None and b.find(master).role == "master"
+
+
+def run_round(b: RoundBook, prompts: dict, size: int | None = None, num_computed: dict | None = None) -> dict:
+    """Add, plan, compute the masters and commit every member's claim; the book's counters."""
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent, size=size or len(prompts)), ids, now=0.0)
+    for agent in prompts:
+        if b.find(agent).role == "master":
+            assert b.claim(agent, 0, now=0.0) == 0
+            b.commit(agent, 0)
+            b.mark_ready(agent, [1])
+    for agent in prompts:
+        if b.find(agent).role != "master":
+            count = b.claim(agent, (num_computed or {}).get(agent, 0), now=0.0)
+            b.commit(agent, count)
+    return b.take_counters()
+
+
+def test_round_tokens_are_counted_by_who_computes_them_and_why():
+    """Masters compute their prompts; a mirror's tokens outside its reused pieces are private; an
+    identical prefix at the same positions (a system prompt under per-agent salts) is reused though
+    an exact copy exists; the counts add up to every prompt token."""
+    system = [100] * 4
+    order = [OUTPUTS, OUTPUTS[1:] + OUTPUTS[:1], OUTPUTS[2:] + OUTPUTS[:2]]
+    prompts = {f"a{i}": prompt(system, order[i], [200 + i, 201]) for i in range(3)}
+    counters = run_round(book(), prompts)
+    assert counters["rounds_complete"] == 1 and counters["members.master"] == 1 and counters["members.mirror"] == 2
+    length = len(prompts["a0"])
+    assert counters["computed_tokens.master"] == length
+    # each mirror: system (5) and the three lines (21) reused; its task (2) private
+    assert counters["claimed_tokens"] == 2 * 26
+    assert counters["computed_tokens.private"] == 2 * 2
+    assert counters["reused_exact_tokens"] == 2 * 5  # the system piece: identical, at the same positions
+    computed = sum(v for k, v in counters.items() if k.startswith("computed_tokens."))
+    assert computed + counters["claimed_tokens"] == 3 * length
+
+
+def test_pieces_no_master_holds_and_an_agents_own_history_are_counted():
+    """Two pairs of agents each share a line the other pair lacks: the master (one of them) holds
+    one pair's, the other pair computes its own (`no_master`). An agent's previous request's tokens
+    at the same positions, left beyond vLLM's block-aligned hit, are `history`."""
+    common = [[50 + j for j in range(20)]]
+    pair_a, pair_b = [[60 + j for j in range(5)]], [[70 + j for j in range(5)]]
+    prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
+               "a2": prompt([3], common + pair_b, [9]), "a3": prompt([4], common + pair_b, [9])}
+    b = book()
+    counters = run_round(b, prompts)
+    assert counters["members.master"] == 1
+    assert counters["computed_tokens.no_master"] == 2 * 6  # one pair's line (5 + its boundary), twice
+    for agent, ids in prompts.items():
+        b.finish(agent, ids + [300, 301])  # what each said
+    second = {agent: ids + [300, 301, NL] + [400 + i] * 3 + [NL] + [9] for i, (agent, ids) in enumerate(prompts.items())}
+    counters = run_round(b, second, num_computed={agent: 4 for agent in second})  # vLLM's hit: 4 tokens
+    mirrors = counters["members.mirror"]
+    history = counters["computed_tokens.history"]
+    assert mirrors >= 1 and history > 0
+    # a mirror's history: its own first prompt and output, from position 4, outside reused pieces
+    assert history <= mirrors * (len(prompts["a0"]) + 2 - 4)

@@ -31,6 +31,15 @@ MEMORY_COUNTERS = {
     "tokendance_session_evictions_total": "evictions",
     "tokendance_round_extra_waves_total": "extra_waves",
 }
+# What a server says its rounds computed and reused, by the name each exports (both counters):
+# `tokendance serve`'s rounds, and the vLLM plugin's (`computed_tokens` by reason).
+REUSE_COUNTERS = {
+    "tokendance_round_computed_tokens_total": "computed",
+    "tokendance_round_reused_tokens_total": "reused",
+    "vllm:tokendance_computed_tokens_total": "computed",
+    "vllm:tokendance_reused_tokens_total": "reused",
+}
+REASON = re.compile(r'reason="([^"]+)"')
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+.eE0-9naNinfINF]+)$")
 
 
@@ -92,6 +101,21 @@ class Client:
         for name, _, value in samples:
             if name in MEMORY_COUNTERS:
                 found[MEMORY_COUNTERS[name]] = found.get(MEMORY_COUNTERS[name], 0.0) + value
+        return found
+
+    def reuse_counters(self) -> dict[str, float]:
+        """The server's `REUSE_COUNTERS` now, summed over labels, with the plugin's computed tokens
+        also by reason ("computed.<reason>"); empty where the server exports none."""
+        found: dict[str, float] = {}
+        for name, labels, value in self.metrics() or []:
+            kind = REUSE_COUNTERS.get(name)
+            if kind is None:
+                continue
+            found[kind] = found.get(kind, 0.0) + value
+            reason = REASON.search(labels)
+            if reason:
+                key = f"{kind}.{reason.group(1)}"
+                found[key] = found.get(key, 0.0) + value
         return found
 
     def kv_bytes_used(self) -> float | None:
@@ -216,9 +240,11 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         max_tokens = min(workload.output_tokens(turn.agent_id, round_index), args.max_tokens or 1 << 30)
         return client.chat(list(turn.messages), max_tokens, extra)
 
+    before = client.reuse_counters()
     started = time.perf_counter()
     with KVPeak(client) as kv, ThreadPoolExecutor(max_workers=len(turns)) as pool:
         replies = list(pool.map(send, turns))
+    after = client.reuse_counters()
     history.append({t.agent_id: (reply.text.strip() or SILENT) for t, reply in zip(turns, replies)})
     return {
         "workload": workload.name, "agents": len(turns), "round": round_index + 1, "loop": args.loop,
@@ -230,19 +256,36 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         "completion_tokens": sum(x.completion_tokens for x in replies),
         "kv_peak_bytes": kv.peak,  # the most KV the server held during the round (None: not reported)
         "replicas": sorted({x.replica for x in replies if x.replica}),
+        # what the server says the round computed and reused (None: it does not say)
+        "server_tokens": {key: after[key] - before.get(key, 0.0) for key in after} or None,
     }
 
 
 def format_target(rows: list[dict], client: Client) -> str:
     lines = [f"{client.base_url} ({client.model})",
-             f"{'N':>4} {'rd':>2}{'round s':>9}{'1st tok':>8}{'TTFT s':>8}{'tail s':>7}{'prompt tok':>11}{'cached':>8}{'out tok':>8}{'KV MB/agent':>12}  replicas"]
+             f"{'N':>4} {'rd':>2}{'round s':>9}{'1st tok':>8}{'TTFT s':>8}{'tail s':>7}{'prompt tok':>11}{'cached':>8}"
+             f"{'out tok':>8}{'computed':>9}{'reused':>8}{'KV MB/agent':>12}  replicas"]
     for r in rows:
+        server = r.get("server_tokens") or {}
         lines.append(f"{r['agents']:>4} {r['round']:>2}{r['round_seconds']:>9.2f}{r['first_token_seconds']:>8.2f}"
                      f"{r['prefill_seconds']:>8.2f}{r['round_seconds'] - r['prefill_seconds']:>7.2f}"
                      f"{r['prompt_tokens']:>11}{r['cached_tokens']:>8}{r['completion_tokens']:>8}"
+                     f"{_count(server.get('computed')):>9}{_count(server.get('reused')):>8}"
                      f"{_per_agent_mb(r):>12}  "
                      f"{','.join(name[-6:] for name in r.get('replicas', [])) or '-'}")
+    reasons = [(r, {k.removeprefix("computed."): v for k, v in (r.get("server_tokens") or {}).items()
+                    if k.startswith("computed.") and v}) for r in rows]
+    if any(by_reason for _, by_reason in reasons):
+        lines.append("computed tokens by reason (the server's count; check: reused tokens' check layers, "
+                     "in full-model token equivalents):")
+        for r, by_reason in reasons:
+            lines.append(f"{r['agents']:>4} {r['round']:>2}  " + ", ".join(
+                f"{reason} {_count(value)}" for reason, value in sorted(by_reason.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines)
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _per_agent_mb(row: dict) -> str:

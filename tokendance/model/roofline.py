@@ -27,7 +27,7 @@ from tokendance.batch import ScheduledRequest
 from tokendance.config import ModelConfig
 
 KINDS = ("prepare", "check", "prefill", "decode")  # a round's KV preparation, its check pass, requests' own
-PEAKS_VERSION = 1
+PEAKS_VERSION = 2  # 2: GEMM sized to the CPU (emulated bf16 measured at 256-512)
 
 
 @dataclass(frozen=True)
@@ -195,10 +195,19 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _gemm_flops(dtype: torch.dtype, size: int = 2048) -> float:
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    return 2.0 * size**3 / best_seconds(lambda: torch.mm(a, b), 3)
+def _gemm_flops(dtype: torch.dtype, max_size: int = 2048, enough_seconds: float = 0.05) -> float:
+    """Square GEMMs from 256 up, doubling until one takes `enough_seconds` (or `max_size`): bf16
+    emulated on a CPU without bf16 dot products runs at a few GFLOP/s, where one 2048^3 product
+    alone takes seconds."""
+    size = 256
+    while True:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        started = time.perf_counter()
+        torch.mm(a, b)
+        if size >= max_size or time.perf_counter() - started >= enough_seconds:
+            return 2.0 * size**3 / best_seconds(lambda: torch.mm(a, b), 3)
+        size *= 2
 
 
 def _bandwidth(num_bytes: int = 512 * 2**20) -> float:

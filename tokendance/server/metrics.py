@@ -40,6 +40,9 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_last_round_agents": ("gauge", "agents in the last round", None),
     "tokendance_round_seconds": ("histogram", "round latency: until every agent has its output", LATENCY_BUCKETS),
     "tokendance_round_prefill_seconds": ("histogram", "round TTFT: until every agent has its first token", LATENCY_BUCKETS),
+    "tokendance_round_computed_tokens_total": ("counter", "prefill tokens the rounds computed, in full-model token equivalents", None),
+    "tokendance_round_reused_tokens_total": ("counter", "shared-span tokens the rounds served from shared KV", None),
+    "tokendance_round_recomputed_tokens_total": ("counter", "shared-span tokens the rounds selected and recomputed", None),
     "tokendance_round_logical_kv_tokens_total": ("counter", "KV tokens in the agents' tables after each round", None),
     "tokendance_round_physical_kv_tokens_total": ("counter", "physical KV tokens (blocks x block size) holding them", None),
     "tokendance_round_compression": ("gauge", "logical / physical KV tokens of the last round", None),
@@ -111,6 +114,9 @@ class Metrics:
         self.inc("tokendance_round_extra_waves_total", stats.num_waves - 1)
         self.observe("tokendance_round_seconds", stats.round_seconds)
         self.observe("tokendance_round_prefill_seconds", stats.prefill_seconds)
+        self.inc("tokendance_round_computed_tokens_total", stats.computed_tokens)
+        self.inc("tokendance_round_reused_tokens_total", stats.reused_tokens)
+        self.inc("tokendance_round_recomputed_tokens_total", stats.recomputed_tokens)
         self.inc("tokendance_round_logical_kv_tokens_total", stats.logical_kv_tokens)
         self.inc("tokendance_round_physical_kv_tokens_total", stats.physical_kv_tokens)
         self.set("tokendance_round_compression", stats.compression)

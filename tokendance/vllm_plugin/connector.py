@@ -78,9 +78,10 @@ class TokenDanceMetadata(KVConnectorMetadata):
 
 @dataclass
 class TokenDanceStats(KVConnectorStats):
-    """What the workers' passes did since the last report (summed over workers and intervals):
-    mirrors filled, tokens reused from masters, tokens computed, mirrors whose pass failed. vLLM
-    logs them with its KV transfer metrics."""
+    """What the rounds and the workers' passes did since the last report (summed over intervals):
+    rounds formed, members by role, held steps, tokens reused, tokens computed by reason, pass
+    seconds by phase, mirrors filled and failed (the keys of `metrics.COUNTERS`). vLLM logs them
+    with its KV transfer metrics and `/metrics` shows them (`vllm:tokendance_*`)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -115,6 +116,15 @@ def unsupported_reason(vllm_config) -> str | None:
     return None
 
 
+def tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):  # no model-parallel group in this process
+        return 0
+
+
 class TokenDanceConnector(KVConnectorBase_V1):
     """Both roles in one class, as vLLM builds connectors: the scheduler side plans and claims, the
     worker side fills the claimed ranges."""
@@ -127,6 +137,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if self.disabled:
             logger.warning("TokenDanceConnector: no reuse for this server: %s; every request is computed exactly",
                            self.disabled)
+        elif role == KVConnectorRole.SCHEDULER:
+            self._book()  # the boundary-token table now, not in the first round's step
         # scheduler side
         self.book: RoundBook | None = None
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
@@ -135,6 +147,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.kv_caches: dict[str, Any] = {}
         self.mirror_pass = None
         self.failed_block_ids: set[int] = set()
+        self.counts_stats = role == KVConnectorRole.SCHEDULER or tensor_parallel_rank() == 0
         self.stats = TokenDanceStats()
 
     # ------------------------------------------------------------ scheduler side
@@ -173,13 +186,9 @@ class TokenDanceConnector(KVConnectorBase_V1):
         return count, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        member = None if self.book is None else self.book.find(request.request_id)
-        if member is None or member.role != "mirror" or member.claim is None:
-            return
-        if num_external_tokens and num_external_tokens == member.claim[1] - member.claim[0]:
+        member = None if self.book is None else self.book.commit(request.request_id, num_external_tokens)
+        if member is not None:
             self.pending[request.request_id] = member
-        else:  # vLLM took another count (its own cache covers the claim): computed exactly
-            member.role = "exact"
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = TokenDanceMetadata()
@@ -227,7 +236,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.pending.pop(request.request_id, None)
         if member is None:
             return False, None
-        self.book.finish(request.request_id)
+        self.book.finish(request.request_id, request.all_token_ids)
         self._release(self.book.releasable())
         claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
         return False, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
@@ -242,20 +251,31 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if not isinstance(meta, TokenDanceMetadata) or not meta.loads:
             return
         try:
-            reused, computed = self._pass().run(meta.loads)
-            self.stats.aggregate(TokenDanceStats({"mirrors": len(meta.loads), "reused_tokens": reused,
-                                                  "computed_tokens": computed}))
+            report = self._pass().run(meta.loads)
+            if self.counts_stats:
+                self.stats.aggregate(TokenDanceStats({"mirrors": len(meta.loads), "passes": 1, **report}))
         except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
             logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
-            self.stats.aggregate(TokenDanceStats({"failed_mirrors": len(meta.loads)}))
+            if self.counts_stats:
+                self.stats.aggregate(TokenDanceStats({"failed_mirrors": len(meta.loads)}))
             for load in meta.loads:
                 self.failed_block_ids.update(load.block_ids)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's passes (rank 0's: vLLM sums the ranks') or the scheduler's rounds since
+        the last call; vLLM adds the two up before they reach its loggers and `/metrics`."""
+        if self.book is not None:
+            self.stats.aggregate(TokenDanceStats(self.book.take_counters()))
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, TokenDanceStats()
         return stats
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from tokendance.vllm_plugin.metrics import TokenDancePromMetrics
+
+        return TokenDancePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -16,6 +16,7 @@ computed in full by up to that many masters, and a mirror reuses the mean of the
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -84,11 +85,14 @@ class Member:
     pieces: list[Piece] = field(default_factory=list)
     role: str = "waiting"  # waiting -> master | mirror | exact
     reusable: list[tuple[int, int, list[tuple["Member", int]]]] = field(default_factory=list)
+    unmastered: set[bytes] = field(default_factory=set)  # a mirror's shared pieces no master holds
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
     claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
     loaded: bool = False  # a mirror whose load was sent to the workers
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
+    num_computed: int = 0  # vLLM's own prefix hit at the latest claim
+    counted: bool = False  # its tokens are in the book's counters (once, preemptions aside)
 
     @property
     def needs_masters(self) -> bool:
@@ -136,6 +140,13 @@ class RoundBook:
         self.rounds: dict[tuple[str, str], Round] = {}
         self.members: dict[str, tuple[Round, Member]] = {}
         self.closed: list[Round] = []  # rounds whose members all finished, until their pins are freed
+        # What the rounds did since the connector last reported (`take_counters`): rounds by how
+        # they formed, held steps, and every member's prompt tokens by who computes them and why.
+        self.counters: Counter = Counter()
+        # Each agent's latest finished request (prompt and output), by (namespace, agent id): what
+        # its next prompt holds exactly at the same positions (LRU, at most `max_sessions`).
+        self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self.max_sessions = 4096
 
     def add(self, request_id: str, tag: RoundTag, token_ids: list[int], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -165,8 +176,10 @@ class RoundBook:
         if entry is None:
             return 0
         round_, member = entry
+        member.num_computed = num_computed
         if not round_.planned:
             if not round_.is_complete(now, self.round_timeout_s):
+                self.counters["held_steps"] += 1
                 return None
             self._plan(round_)
         if member.role != "mirror" or member.finished:
@@ -183,6 +196,7 @@ class RoundBook:
             if now - member.arrived > self.hold_timeout_s:
                 member.role = "exact"
                 return 0
+            self.counters["held_steps"] += 1
             return None
         if not spans:  # all in vLLM's prefix cache already
             member.role = "exact"
@@ -190,10 +204,27 @@ class RoundBook:
         end = spans[-1][0] + spans[-1][1]
         budget, count = self.claim_tokens_per_step, end - num_computed
         if budget and self.claimed_this_step and self.claimed_this_step + count > budget:
+            self.counters["held_steps"] += 1
             return None  # this step's pass is full: a later step fills this mirror
-        self.claimed_this_step += count
         member.claim = (num_computed, end)
         return count
+
+    def commit(self, request_id: str, num_external: int) -> Member | None:
+        """vLLM allocated the request with `num_external` claimed tokens: the mirror whose load the
+        workers run this step (None for any other member; a mirror whose claim vLLM did not take
+        as it was, its own cache covering it, is computed exactly). Only here is the step's claim
+        budget spent: vLLM may ask `claim` again after an allocation that failed."""
+        member = self.find(request_id)
+        if member is None:
+            return None
+        if member.role == "mirror" and member.claim is not None and not member.loaded:
+            if num_external and num_external == member.claim[1] - member.claim[0]:
+                self.claimed_this_step += num_external
+                self._count(member)
+                return member
+            member.role = "exact"
+        self._count(member)
+        return None
 
     def next_step(self) -> None:
         """The step's admissions are over (the connector built its metadata)."""
@@ -225,12 +256,19 @@ class RoundBook:
         round_.pinned.extend(block_ids)
         return list(block_ids)
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None) -> None:
+        """The request is done; `all_token_ids` (its prompt and output) is its agent's session."""
         entry = self.members.pop(request_id, None)
         if entry is None:
             return
         round_, member = entry
         member.finished = True
+        if all_token_ids is not None:
+            key = (member.tag.namespace, member.tag.agent_id)
+            self.sessions[key] = list(all_token_ids)
+            self.sessions.move_to_end(key)
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
         if all(m.finished for m in round_.members.values()) and self.rounds.get(round_.key) is round_:
             del self.rounds[round_.key]
             self.closed.append(round_)
@@ -248,10 +286,58 @@ class RoundBook:
     def masters_to_watch(self) -> list[Member]:
         return [m for _, m in self.members.values() if m.role == "master" and not m.ready and not m.finished]
 
+    def take_counters(self) -> dict[str, int]:
+        counters, self.counters = self.counters, Counter()
+        return {key: value for key, value in counters.items() if value}
+
+    def _count(self, member: Member) -> None:
+        """A member's prompt tokens beyond vLLM's own prefix hit, by who computes them and why
+        (`computed_tokens.<reason>`), counted once when it is first allocated. A mirror's reused
+        pieces are left to the workers, which split them into reused and selected tokens; its
+        other tokens are:
+        - `history`: what its agent's previous request held at the same positions, exactly (lost
+          to vLLM's block-aligned hit, or to a pool that evicted it);
+        - `prefix`: what a master of its round holds at the same positions (an identical prefix,
+          such as the system prompt, under another salt);
+        - `no_master`: pieces other members share but no master computes;
+        - `private`: the rest (its own text, the tail after its last reused piece).
+        `reused_exact_tokens`: reused-piece tokens that had an exact copy (history or prefix)."""
+        if member.counted:
+            return
+        member.counted = True
+        start, total = member.num_computed, len(member.token_ids)
+        if member.role != "mirror" or member.claim is None:
+            self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start
+            return
+        history = common_prefix(member.token_ids, self.sessions.get((member.tag.namespace, member.tag.agent_id), ()))
+        masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}
+        prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
+        prefix = max(prefix, history)
+        spans = [(s, s + n) for s, n, _ in member.reusable if s >= start and s + n <= member.claim[1]]
+        gaps, at = [], start
+        for s, e in spans:
+            if s > at:
+                gaps.append((at, s))
+            at = e
+        gaps.append((at, total))
+        unmastered = [(p.start, p.end) for p in member.pieces if p.key in member.unmastered]
+        for a, b in gaps:
+            exact_h = overlap(a, b, 0, history)
+            exact_p = overlap(a, b, 0, prefix) - exact_h
+            no_master = sum(overlap(max(a, prefix), b, s, e) for s, e in unmastered)
+            self.counters["computed_tokens.history"] += exact_h
+            self.counters["computed_tokens.prefix"] += exact_p
+            self.counters["computed_tokens.no_master"] += no_master
+            self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master
+        self.counters["reused_exact_tokens"] += sum(overlap(s, e, 0, prefix) for s, e in spans)
+        self.counters["claimed_tokens"] += member.claim[1] - member.claim[0]
+
     def _plan(self, round_: Round) -> None:
         """Masters by the engine's planning code; each mirror's reusable pieces from them."""
         round_.planned = True
         members = list(round_.members.values())
+        complete = round_.size is not None and len(members) >= round_.size
+        self.counters["rounds_complete" if complete else "rounds_timed_out"] += 1
         holders: dict[bytes, int] = {}
         for member in members:
             for key in {p.key for p in member.pieces}:
@@ -271,5 +357,22 @@ class RoundBook:
             member.role = "mirror"
             member.reusable = [(p.start, p.end - p.start, where[p.key]) for p in member.pieces
                                if p.key in shared and p.key in where]
+            member.unmastered = {key for key in shared if key not in where}
             if not member.reusable:
                 member.role = "exact"
+        for member in members:
+            self.counters[f"members.{member.role}"] += 1
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from their first."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def overlap(a: int, b: int, c: int, d: int) -> int:
+    """Length of [a, b) within [c, d)."""
+    return max(0, min(b, d) - max(a, c))

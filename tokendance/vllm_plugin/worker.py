@@ -16,6 +16,8 @@ At recompute ratio 1.0 every token is recomputed: an exact prefill of the claime
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,7 @@ class PassAttention(nn.Module):
         self.attends: list[Attend] = []
         self.keys: torch.Tensor | None = None  # the batch's fresh keys, when `capture`
         self.capture = False
+        self.seconds = 0.0  # in the attention itself (reads and kernel), summed until reset
 
     def forward(self, query, key, value, output_shape=None, output_dtype=None):
         rows = query.shape[0]
@@ -137,9 +140,11 @@ class PassAttention(nn.Module):
             self.keys = k.clone()
         self.layout.write(self.write_slots, k, v)
         out = torch.empty_like(q)
+        started = time.perf_counter()
         for a in self.attends:
             keys, values = self.layout.read(a.context_slots)  # [S, Hkv, D]
             out[a.row_start:a.row_end] = self._attend(q[a.row_start:a.row_end], keys, values, a.positions)
+        self.seconds += time.perf_counter() - started
         return out.view(rows, self.num_heads * self.head_size)
 
     def _attend(self, q, keys, values, positions) -> torch.Tensor:  # q [n, Hq, D] at `positions` -> [n, Hq, D]
@@ -186,8 +191,15 @@ class MirrorPass:
     # ------------------------------------------------------------ the pass
 
     @torch.inference_mode()
-    def run(self, loads: list[MirrorLoad]) -> tuple[int, int]:
-        """Fill every load's claimed range. Returns (tokens reused from masters, tokens computed)."""
+    def run(self, loads: list[MirrorLoad]) -> Counter:
+        """Fill every load's claimed range. Returns what it did, as the connector's stats count it:
+        `reused_tokens` (served from masters), `computed_tokens.selected` (reused-piece tokens
+        recomputed), `computed_tokens.check` (the reused tokens' layers 0..c, in full-model token
+        equivalents), `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy,
+        recompute; `attention` inside check and recompute)."""
+        clock = PhaseClock()
+        for shim in self.shims:
+            shim.seconds = 0.0
         device = self.layouts[0].cache.device
         ids = torch.tensor([t for load in loads for t in load.token_ids], device=device)
         positions = torch.cat([torch.arange(load.start, load.end, device=device) for load in loads])
@@ -205,19 +217,29 @@ class MirrorPass:
         hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
         fresh = self.shims[c].keys
         self.shims[c].capture, self.shims[c].keys = False, None
+        clock.lap("check")
         # 2. selection and 3. the copy of the masters' K/V for the tokens not selected
         keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
         copies = self._select(loads, fresh, keep)
+        clock.lap("select")
         if copies is not None:
             self._copy(*copies, layers=range(c + 1, len(self.layers)))
+        clock.lap("copy")
         # 4. the recompute: selected and private tokens through the remaining layers
         rows = keep.nonzero().flatten()
         if c + 1 < len(self.layers) and len(rows):
             attends = attends_of(rows, positions, context, loads)
             self._layers(range(c + 1, len(self.layers)), positions[rows], hidden[rows],
                          None if residual is None else residual[rows], write[rows], attends)
+        clock.lap("recompute")
         reused = int((~keep).sum())
-        return reused, len(ids) - reused
+        span_tokens = sum(span.length for load in loads for span in load.spans)
+        report = Counter({"pass_tokens": len(ids), "reused_tokens": reused,
+                          "computed_tokens.selected": span_tokens - reused,
+                          "computed_tokens.check": reused * (c + 1) / len(self.layers)})
+        report.update({f"pass_seconds.{phase}": seconds for phase, seconds in clock.laps.items()})
+        report["pass_seconds.attention"] = sum(shim.seconds for shim in self.shims)
+        return report
 
     def _select(self, loads, fresh, keep):
         """Choose each span's tokens to recompute (clearing `keep` for the others) and return the
@@ -277,6 +299,19 @@ class MirrorPass:
         position = torch.arange(start, end)
         return (blocks[position // self.block_size] * self.block_size + position % self.block_size).to(
             self.layouts[0].cache.device)
+
+
+class PhaseClock:
+    """Seconds since the previous lap, by phase name."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 def attends_of(rows: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],

@@ -1,0 +1,67 @@
+"""The connector's counters on vLLM's `/metrics`, under vLLM's own prefix (`vllm:tokendance_*`).
+
+The stats reach here as one flat dict per engine step (`TokenDanceStats.data`: the workers' passes,
+rank 0's only, plus the scheduler side's rounds); a key `name.label` is counter `name` with that
+label value. Every counter is a running total since the server started."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+# stats key (before any ".label") -> (metric name, label name or None, help)
+COUNTERS: dict[str, tuple[str, str | None, str]] = {
+    "rounds_complete": ("rounds", "formed", "rounds planned, by how they formed (complete: every member came; timeout)"),
+    "rounds_timed_out": ("rounds", "formed", ""),
+    "members": ("members", "role", "round members, by role (master: computed in full; mirror: reuses; exact)"),
+    "mirrors": ("mirrors_filled", None, "mirrors whose claimed range a pass filled"),
+    "failed_mirrors": ("mirrors_failed", None, "mirrors whose pass failed (their blocks recomputed by vLLM)"),
+    "passes": ("passes", None, "passes run by the workers"),
+    "held_steps": ("held_steps", None, "engine steps a member was held (its round forming, its masters computing, "
+                                       "or the step's claim budget spent)"),
+    "claimed_tokens": ("claimed_tokens", None, "prompt tokens mirrors claimed (filled by the pass)"),
+    "pass_tokens": ("pass_tokens", None, "claimed tokens the workers' passes filled"),
+    "reused_tokens": ("reused_tokens", None, "prompt tokens served from masters' KV (keys re-rotated)"),
+    "reused_exact_tokens": ("reused_exact_tokens", None, "reused tokens of which an exact copy existed (the "
+                                                         "agent's own history or an identical prefix)"),
+    "computed_tokens": ("computed_tokens", "reason", "prompt tokens computed beyond vLLM's prefix hit, by reason "
+                                                     "(master, exact, private, no_master, history, prefix, "
+                                                     "selected; check: reused tokens' check layers in full-model "
+                                                     "token equivalents)"),
+    "pass_seconds": ("pass_seconds", "phase", "seconds in the workers' passes, by phase (check, select, copy, "
+                                              "recompute; attention is part of check and recompute)"),
+}
+LABEL_OF = {"rounds_complete": "complete", "rounds_timed_out": "timeout"}
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """("computed_tokens.selected") -> ("computed_tokens", "selected")."""
+    name, _, label = key.partition(".")
+    return name, label or LABEL_OF.get(name)
+
+
+class TokenDancePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name of `COUNTERS`, with vLLM's labels (model, engine) and the
+    counter's own (reason, phase, role, formed)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for key, (name, label, documentation) in COUNTERS.items():
+            if name in self.counters:
+                continue
+            self.counters[name] = self._counter_cls(
+                name=f"vllm:tokendance_{name}", documentation=documentation,
+                labelnames=self._labelnames + ([label] if label else []))
+        self.labels = {name: label for name, label, _ in COUNTERS.values()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            stat, label_value = split_key(key)
+            if stat not in COUNTERS or not value:
+                continue
+            name = COUNTERS[stat][0]
+            values = [*engine, label_value] if self.labels[name] else engine
+            self.counters[name].labels(*values).inc(value)
