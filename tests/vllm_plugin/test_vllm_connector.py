@@ -109,10 +109,22 @@ def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(
 def test_reused_kv_never_answers_another_salt_or_an_untagged_request(vllm_llm):
     prompts = round_prompts(vllm_llm, 4, seed=2)
     round_id = f"r{next(_ids)}"
+    before = tokendance_counters(vllm_llm)
     reused = generate(vllm_llm, prompts, "iso", round_id=round_id)  # default ratio 0.15: approximate KV
+    counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
     mirror = next(a for a, r in roles(reused).items() if r == "mirror")
     claimed = reused[mirror].kv_transfer_params["tokendance"]["claimed_tokens"]
     assert claimed > 0
+    # /metrics: every prompt token beyond vLLM's own cache hit is reused or computed for a reason
+    num_mirrors = sum(r == "mirror" for r in roles(reused).values())
+    assert counted["vllm:tokendance_mirrors_filled"] == num_mirrors
+    assert counted[("vllm:tokendance_members", "mirror")] == num_mirrors
+    claims = sum(o.kv_transfer_params["tokendance"]["claimed_tokens"] for o in reused.values())
+    assert counted["vllm:tokendance_claimed_tokens"] == counted["vllm:tokendance_pass_tokens"] == claims
+    assert counted["vllm:tokendance_reused_tokens"] > 0 and counted[("vllm:tokendance_computed_tokens", "selected")] > 0
+    computed = sum(v for k, v in counted.items() if k[0] == "vllm:tokendance_computed_tokens" and k[1] != "check")
+    local_hits = sum(o.num_cached_tokens for o in reused.values()) - claims
+    assert computed + counted["vllm:tokendance_reused_tokens"] == sum(map(len, prompts.values())) - local_hits
     one = {mirror: prompts[mirror]}
     other_salt = generate(vllm_llm, one, "other")[mirror]
     no_salt = generate(vllm_llm, one, "", salted=False)[mirror]
@@ -170,6 +182,17 @@ def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
     exact = generate(vllm_llm, prompts, "bigref", max_tokens=48)
     assert tokens(reused) == tokens(exact)
     assert "mirror" in roles(reused).values()
+
+
+def tokendance_counters(llm) -> dict:
+    """The connector's counters on vLLM's metrics: name, or (name, its one label's value)."""
+    found = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:tokendance_"):
+            labels = [v for k, v in m.labels.items() if k in ("reason", "phase", "role", "formed")]
+            key = (m.name, labels[0]) if labels else m.name
+            found[key] = found.get(key, 0) + m.value
+    return found
 
 
 def preemptions(llm) -> float:

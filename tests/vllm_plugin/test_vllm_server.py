@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -56,6 +57,23 @@ def server(model_folder):
     process.wait(timeout=60)
 
 
+def prometheus(client) -> dict[str, float]:
+    """The server's /metrics: {'name{label="value"}': value} over the labels other than vLLM's
+    own (model_name, engine), summed."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        sample = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? (\S+)$", line)
+        if not sample:
+            continue
+        labels = [pair for pair in (sample.group(2) or "").split(",") if pair and not pair.startswith(("model_name=", "engine="))]
+        key = sample.group(1) + (f"{{{','.join(labels)}}}" if labels else "")
+        found[key] = found.get(key, 0.0) + float(sample.group(3))
+    return found
+
+
 def agents(num: int, seed: int) -> list[dict]:
     workload = make_workload("generative-agents", num, seed=seed)
     return [{"agent_id": t.agent_id, "messages": list(t.messages)} for t in workload.turns(0, [])]
@@ -84,6 +102,13 @@ def test_chat_requests_with_round_fields_form_a_round(server):
                                                round_size=3), turns))
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
     assert sum(c > 0 for c in cached) == 2  # two mirrors claimed their shared messages; the master none
+    # /metrics shows the connector's counters under vLLM's prefix (ratio 1.0: every reused-piece
+    # token selected, none reused)
+    metrics = prometheus(server)
+    assert metrics["vllm:tokendance_mirrors_filled_total"] >= 2
+    assert metrics['vllm:tokendance_members_total{role="master"}'] >= 1
+    assert metrics['vllm:tokendance_computed_tokens_total{reason="selected"}'] > 0
+    assert metrics['vllm:tokendance_pass_seconds_total{phase="recompute"}'] > 0
     plain = [chat(server, t["messages"], cache_salt=f"plain-{t['agent_id']}") for t in turns]
     assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
 

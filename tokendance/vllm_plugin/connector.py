@@ -137,8 +137,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if self.disabled:
             logger.warning("TokenDanceConnector: no reuse for this server: %s; every request is computed exactly",
                            self.disabled)
-        elif role == KVConnectorRole.SCHEDULER:
-            self._book()  # the boundary-token table now, not in the first round's step
+
         # scheduler side
         self.book: RoundBook | None = None
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
@@ -149,6 +148,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.failed_block_ids: set[int] = set()
         self.counts_stats = role == KVConnectorRole.SCHEDULER or tensor_parallel_rank() == 0
         self.stats = TokenDanceStats()
+        if role == KVConnectorRole.SCHEDULER and not self.disabled:
+            self._book()  # the boundary-token table now, not in the first round's step
 
     # ------------------------------------------------------------ scheduler side
 
