@@ -300,6 +300,8 @@ class RoundBook:
         - `prefix`: what a master of its round holds at the same positions (an identical prefix,
           such as the system prompt, under another salt);
         - `no_master`: pieces other members share but no master computes;
+        - `moved`: pieces its agent's previous request held at other positions (what a recall of
+          the agent's own moved segments would serve);
         - `private`: the rest (its own text, the tail after its last reused piece).
         `reused_exact_tokens`: reused-piece tokens that had an exact copy (history or prefix)."""
         if member.counted:
@@ -309,7 +311,10 @@ class RoundBook:
         if member.role != "mirror" or member.claim is None:
             self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start
             return
-        history = common_prefix(member.token_ids, self.sessions.get((member.tag.namespace, member.tag.agent_id), ()))
+        session = self.sessions.get((member.tag.namespace, member.tag.agent_id), [])
+        history = common_prefix(member.token_ids, session)
+        own = {p.key for p in cut_pieces(session, self.boundaries, member.tag.namespace, len(session))}
+        moved = [(p.start, p.end) for p in member.pieces if p.key in own and p.end - p.start >= self.min_piece_tokens]
         masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}
         prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
         prefix = max(prefix, history)
@@ -325,10 +330,13 @@ class RoundBook:
             exact_h = overlap(a, b, 0, history)
             exact_p = overlap(a, b, 0, prefix) - exact_h
             no_master = sum(overlap(max(a, prefix), b, s, e) for s, e in unmastered)
+            recalled = sum(overlap(max(a, prefix), b, s, e) for s, e in moved) - sum(
+                overlap(max(a, prefix), b, s, e) for s, e in unmastered if (s, e) in moved)
             self.counters["computed_tokens.history"] += exact_h
             self.counters["computed_tokens.prefix"] += exact_p
             self.counters["computed_tokens.no_master"] += no_master
-            self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master
+            self.counters["computed_tokens.moved"] += recalled
+            self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master - recalled
         self.counters["reused_exact_tokens"] += sum(overlap(s, e, 0, prefix) for s, e in spans)
         self.counters["claimed_tokens"] += member.claim[1] - member.claim[0]
 

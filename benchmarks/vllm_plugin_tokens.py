@@ -1,0 +1,89 @@
+"""The vLLM plugin's token account for a workload's rounds, offline: its scheduler side (the round
+book) over the workload's chat prompts, with vLLM's prefix cache modelled as what it would hold
+without eviction: each agent's previous request (prompt and output) under its own salt, hit in
+whole blocks. Prints, per round, the prompt tokens by who computes them and why (the connector's
+`computed_tokens` reasons) and the claimed tokens: where a round's compute goes inside vLLM,
+before any forward pass (no vLLM, no model: seconds).
+
+    python benchmarks/vllm_plugin_tokens.py --workload generative-agents --agents 16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tokendance.model.loader import load_tokenizer
+from tokendance.vllm_plugin.rounds import RoundBook, RoundTag, common_prefix
+from tokendance.workloads import make_workload
+
+
+def boundaries(tokenizer) -> frozenset[int]:
+    """As the connector cuts prompts (handoff.boundary_token_ids): ids holding a line break and
+    the special tokens."""
+    vocab = tokenizer._tokenizer.get_vocab(with_added_tokens=True)
+    ids = {i for i in vocab.values() if "\n" in tokenizer.decode([i], skip_special_tokens=False)}
+    special = {tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    return frozenset(ids | {i for i in special if i is not None})
+
+
+def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed: int) -> list[dict]:
+    tokenizer = load_tokenizer()
+    workload = make_workload(workload_name, num_agents, seed=seed)
+    book = RoundBook(boundaries(tokenizer), round_timeout_s=1e9, hold_timeout_s=1e9)
+    cache: dict[str, list[int]] = {}  # agent -> its previous request's tokens, as vLLM caches them
+    rows = []
+    for r in range(rounds):
+        feed = [workload.synthetic_outputs(i) for i in range(r)]
+        turns = workload.turns(r, feed)
+        prompts = {t.agent_id: tokenizer.encode(tokenizer.apply_chat_template(list(t.messages))) for t in turns}
+        for agent, ids in prompts.items():
+            book.add(agent, RoundTag(f"r{r}", agent, len(prompts)), ids, now=0.0)
+        hits = {a: block_size * (common_prefix(ids, cache.get(a, ())) // block_size) for a, ids in prompts.items()}
+        for agent in prompts:  # masters first: their KV exists before any mirror claims
+            if book.find(agent).role == "master":
+                book.claim(agent, hits[agent], now=0.0)
+                book.commit(agent, 0)
+                book.mark_ready(agent, [0])
+        for agent in prompts:
+            if book.find(agent).role != "master":
+                book.commit(agent, book.claim(agent, hits[agent], now=0.0) or 0)
+        counters = book.take_counters()
+        outputs = workload.synthetic_outputs(r)
+        for agent, ids in prompts.items():
+            said = tokenizer.encode(outputs.get(agent, ""))
+            book.finish(agent, ids + said)
+            cache[agent] = ids + said
+        book.releasable()
+        rows.append({"round": r + 1, "prompt_tokens": sum(map(len, prompts.values())),
+                     "vllm_hit_tokens": sum(hits.values()), **counters})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="generative-agents")
+    parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (128 on CPU, 16 on GPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows = run(args.workload, args.agents, args.rounds, args.block_size, args.seed)
+    reasons = sorted({k for row in rows for k in row if k.startswith("computed_tokens.")})
+    print(f"{args.workload} N={args.agents}, vLLM block size {args.block_size}: prompt tokens by who computes them")
+    header = ["round", "prompt", "vLLM hit", "claimed", "exact copy", *[k.split(".")[1] for k in reasons]]
+    print("".join(f"{h:>11}" for h in header))
+    for row in rows:
+        values = [row["round"], row["prompt_tokens"], row["vllm_hit_tokens"], row.get("claimed_tokens", 0),
+                  row.get("reused_exact_tokens", 0), *[row.get(k, 0) for k in reasons]]
+        print("".join(f"{v:>11}" for v in values))
+    print("(claimed: filled by the workers' pass, reused from masters except the selected share; exact copy: "
+          "claimed tokens an exact copy existed for)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
