@@ -38,8 +38,9 @@ REUSE_COUNTERS = {
     "tokendance_round_reused_tokens_total": "reused",
     "vllm:tokendance_computed_tokens_total": "computed",
     "vllm:tokendance_reused_tokens_total": "reused",
+    "vllm:tokendance_pass_seconds_total": "pass_seconds",
 }
-REASON = re.compile(r'reason="([^"]+)"')
+REASON = re.compile(r'(?:reason|phase)="([^"]+)"')
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+.eE0-9naNinfINF]+)$")
 
 
@@ -105,7 +106,8 @@ class Client:
 
     def reuse_counters(self) -> dict[str, float]:
         """The server's `REUSE_COUNTERS` now, summed over labels, with the plugin's computed tokens
-        also by reason ("computed.<reason>"); empty where the server exports none."""
+        also by reason ("computed.<reason>") and its pass seconds by phase ("pass_seconds.<phase>");
+        empty where the server exports none."""
         found: dict[str, float] = {}
         for name, labels, value in self.metrics() or []:
             kind = REUSE_COUNTERS.get(name)
@@ -281,6 +283,13 @@ def format_target(rows: list[dict], client: Client) -> str:
         for r, by_reason in reasons:
             lines.append(f"{r['agents']:>4} {r['round']:>2}  " + ", ".join(
                 f"{reason} {_count(value)}" for reason, value in sorted(by_reason.items(), key=lambda kv: -kv[1])))
+    phases = [(r, {k.removeprefix("pass_seconds."): v for k, v in (r.get("server_tokens") or {}).items()
+                   if k.startswith("pass_seconds.")}) for r in rows]
+    if any(by_phase for _, by_phase in phases):
+        lines.append("the mirrors' pass, seconds by phase (attention: inside check and recompute):")
+        for r, by_phase in phases:
+            lines.append(f"{r['agents']:>4} {r['round']:>2}  " + ", ".join(
+                f"{phase} {value:.2f}" for phase, value in by_phase.items()))
     return "\n".join(lines)
 
 
