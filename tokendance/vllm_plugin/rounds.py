@@ -143,9 +143,10 @@ class RoundBook:
         # What the rounds did since the connector last reported (`take_counters`): rounds by how
         # they formed, held steps, and every member's prompt tokens by who computes them and why.
         self.counters: Counter = Counter()
-        # Each agent's latest finished request (prompt and output), by (namespace, agent id): what
-        # its next prompt holds exactly at the same positions (LRU, at most `max_sessions`).
-        self.sessions: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        # Each agent's latest finished request, by (namespace, agent id): its tokens (prompt and
+        # output: what its next prompt holds exactly at the same positions) and its prompt's piece
+        # keys (what it may hold elsewhere); LRU, at most `max_sessions`.
+        self.sessions: OrderedDict[tuple[str, str], tuple[list[int], set[bytes]]] = OrderedDict()
         self.max_sessions = 4096
 
     def add(self, request_id: str, tag: RoundTag, token_ids: list[int], now: float | None = None) -> None:
@@ -263,9 +264,9 @@ class RoundBook:
             return
         round_, member = entry
         member.finished = True
-        if all_token_ids is not None:
+        if all_token_ids is not None:  # its prompt's pieces were cut when it came: kept, not cut again
             key = (member.tag.namespace, member.tag.agent_id)
-            self.sessions[key] = list(all_token_ids)
+            self.sessions[key] = (list(all_token_ids), {p.key for p in member.pieces})
             self.sessions.move_to_end(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
@@ -311,9 +312,8 @@ class RoundBook:
         if member.role != "mirror" or member.claim is None:
             self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start
             return
-        session = self.sessions.get((member.tag.namespace, member.tag.agent_id), [])
+        session, own = self.sessions.get((member.tag.namespace, member.tag.agent_id), ((), set()))
         history = common_prefix(member.token_ids, session)
-        own = {p.key for p in cut_pieces(session, self.boundaries, member.tag.namespace, len(session))}
         moved = [(p.start, p.end) for p in member.pieces if p.key in own and p.end - p.start >= self.min_piece_tokens]
         masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}
         prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
