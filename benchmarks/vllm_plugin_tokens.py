@@ -1,7 +1,7 @@
 """The vLLM plugin's token account for a workload's rounds, offline: its scheduler side (the round
 book) over the workload's chat prompts, with vLLM's prefix cache modelled as what it would hold
 without eviction: each agent's previous request (prompt and output) under its own salt, hit in
-whole blocks. Prints, per round, the prompt tokens by who computes them and why (the connector's
+whole blocks, its full blocks found again by their hashes (what the connector reads back). Prints, per round, the prompt tokens by who computes them and why (the connector's
 `computed_tokens` reasons) and the claimed tokens: where a round's compute goes inside vLLM,
 before any forward pass (no vLLM, no model: seconds).
 
@@ -30,7 +30,9 @@ def boundaries(tokenizer) -> frozenset[int]:
 def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed: int) -> list[dict]:
     tokenizer = load_tokenizer()
     workload = make_workload(workload_name, num_agents, seed=seed)
-    book = RoundBook(boundaries(tokenizer), round_timeout_s=1e9, hold_timeout_s=1e9)
+    pool: dict[tuple, int] = {}  # block hash -> block id: every full block computed so far
+    book = RoundBook(boundaries(tokenizer), round_timeout_s=1e9, hold_timeout_s=1e9, block_size=block_size,
+                     lookup=pool.get)
     cache: dict[str, list[int]] = {}  # agent -> its previous request's tokens, as vLLM caches them
     rows = []
     for r in range(rounds):
@@ -38,7 +40,7 @@ def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed:
         turns = workload.turns(r, feed)
         prompts = {t.agent_id: tokenizer.encode(tokenizer.apply_chat_template(list(t.messages))) for t in turns}
         for agent, ids in prompts.items():
-            book.add(agent, RoundTag(f"r{r}", agent, len(prompts)), ids, now=0.0)
+            book.add(agent, RoundTag(f"r{r}", agent, len(prompts)), ids, now=0.0, salt=agent)
         hits = {a: block_size * (common_prefix(ids, cache.get(a, ())) // block_size) for a, ids in prompts.items()}
         for agent in prompts:  # masters first: their KV exists before any mirror claims
             if book.find(agent).role == "master":
@@ -52,7 +54,10 @@ def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed:
         outputs = workload.synthetic_outputs(r)
         for agent, ids in prompts.items():
             said = tokenizer.encode(outputs.get(agent, ""))
-            book.finish(agent, ids + said)
+            hashes = [(agent, tuple(ids + said)[:(i + 1) * block_size]) for i in range(len(ids + said) // block_size)]
+            for h in hashes[:(len(ids + said) - 1) // block_size]:  # the last token has no KV yet
+                pool.setdefault(h, len(pool))
+            book.finish(agent, ids + said, hashes)
             cache[agent] = ids + said
         book.releasable()
         rows.append({"round": r + 1, "prompt_tokens": sum(map(len, prompts.values())),
@@ -72,14 +77,14 @@ def main() -> None:
     rows = run(args.workload, args.agents, args.rounds, args.block_size, args.seed)
     reasons = sorted({k for row in rows for k in row if k.startswith("computed_tokens.")})
     print(f"{args.workload} N={args.agents}, vLLM block size {args.block_size}: prompt tokens by who computes them")
-    header = ["round", "prompt", "vLLM hit", "claimed", "exact copy", *[k.split(".")[1] for k in reasons]]
+    header = ["round", "prompt", "vLLM hit", "claimed", "exact copy", "recalled", *[k.split(".")[1] for k in reasons]]
     print("".join(f"{h:>11}" for h in header))
     for row in rows:
         values = [row["round"], row["prompt_tokens"], row["vllm_hit_tokens"], row.get("claimed_tokens", 0),
-                  row.get("reused_exact_tokens", 0), *[row.get(k, 0) for k in reasons]]
+                  row.get("reused_exact_tokens", 0), row.get("recalled_tokens", 0), *[row.get(k, 0) for k in reasons]]
         print("".join(f"{v:>11}" for v in values))
-    print("(claimed: filled by the workers' pass, reused from masters except the selected share; exact copy: "
-          "claimed tokens an exact copy existed for)")
+    print("(claimed: filled by the workers' pass, reused except the selected share; exact copy: claimed tokens "
+          "copied as they are, no check or selection; recalled: the agents' own moved pieces, from cached blocks)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

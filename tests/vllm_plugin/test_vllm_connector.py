@@ -97,13 +97,19 @@ def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(
     assert tokens(one) == tokens(one_exact)
     said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
     second = round_prompts(vllm_llm, 5, round_index=1, history=said, seed=1)
+    before = tokendance_counters(vllm_llm)
     two = generate(vllm_llm, second, "sess", round_id=f"r{next(_ids)}", ratio=1.0)  # sessions still in the pool
+    counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
     two_exact = generate(vllm_llm, second, "sessref")
     assert tokens(two) == tokens(two_exact)
     mirrors = [a for a, r in roles(two).items() if r == "mirror"]
     # part of the prompt came from the agent's own session (where the small pool kept it: LRU)
     assert mirrors and any(two[a].num_cached_tokens > two[a].kv_transfer_params["tokendance"]["claimed_tokens"]
                            for a in mirrors)
+    # and its history past vLLM's last whole block was copied exactly from the session's blocks: at
+    # ratio 1.0 the only tokens reused
+    assert counted["vllm:tokendance_reused_tokens"] == counted["vllm:tokendance_reused_exact_tokens"] > 0
+    assert_every_token_accounted(counted, two, second)
 
 
 def test_reused_kv_never_answers_another_salt_or_an_untagged_request(vllm_llm):
@@ -122,9 +128,7 @@ def test_reused_kv_never_answers_another_salt_or_an_untagged_request(vllm_llm):
     claims = sum(o.kv_transfer_params["tokendance"]["claimed_tokens"] for o in reused.values())
     assert counted["vllm:tokendance_claimed_tokens"] == counted["vllm:tokendance_pass_tokens"] == claims
     assert counted["vllm:tokendance_reused_tokens"] > 0 and counted[("vllm:tokendance_computed_tokens", "selected")] > 0
-    computed = sum(v for k, v in counted.items() if k[0] == "vllm:tokendance_computed_tokens" and k[1] != "check")
-    local_hits = sum(o.num_cached_tokens for o in reused.values()) - claims
-    assert computed + counted["vllm:tokendance_reused_tokens"] == sum(map(len, prompts.values())) - local_hits
+    assert_every_token_accounted(counted, reused, prompts)
     one = {mirror: prompts[mirror]}
     other_salt = generate(vllm_llm, one, "other")[mirror]
     no_salt = generate(vllm_llm, one, "", salted=False)[mirror]
@@ -193,6 +197,14 @@ def tokendance_counters(llm) -> dict:
             key = (m.name, labels[0]) if labels else m.name
             found[key] = found.get(key, 0) + m.value
     return found
+
+
+def assert_every_token_accounted(counted: dict, outputs: dict, prompts: dict) -> None:
+    """Every prompt token beyond vLLM's own cache hit is reused or computed for one reason."""
+    claims = sum(o.kv_transfer_params["tokendance"]["claimed_tokens"] for o in outputs.values())
+    computed = sum(v for k, v in counted.items() if k[0] == "vllm:tokendance_computed_tokens" and k[1] != "check")
+    local_hits = sum(o.num_cached_tokens for o in outputs.values()) - claims
+    assert computed + counted["vllm:tokendance_reused_tokens"] == sum(map(len, prompts.values())) - local_hits
 
 
 def preemptions(llm) -> float:

@@ -208,10 +208,11 @@ def test_a_claim_spends_nothing_until_vllm_commits_it():
     assert b.commit(master, 0) is None and b.find(master).role == "master"
 
 
-def run_round(b: RoundBook, prompts: dict, size: int | None = None, num_computed: dict | None = None) -> dict:
+def run_round(b: RoundBook, prompts: dict, size: int | None = None, num_computed: dict | None = None,
+              salts: dict | None = None) -> dict:
     """Add, plan, compute the masters and commit every member's claim; the book's counters."""
     for agent, ids in prompts.items():
-        b.add(agent, tag(agent, size=size or len(prompts)), ids, now=0.0)
+        b.add(agent, tag(agent, size=size or len(prompts)), ids, now=0.0, salt=(salts or {}).get(agent))
     for agent in prompts:
         if b.find(agent).role == "master":
             assert b.claim(agent, 0, now=0.0) == 0
@@ -264,3 +265,79 @@ def test_pieces_no_master_holds_and_an_agents_own_history_are_counted():
     assert mirrors >= 1 and history > 0
     # a mirror's history: its own first prompt and output, from position 4, outside reused pieces
     assert history <= mirrors * (len(prompts["a0"]) + 2 - 4)
+
+
+class Pool:
+    """vLLM's prefix cache as the book sees it: block hash -> block id, for full computed blocks."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.blocks = block_size, {}
+
+    def finish(self, b: RoundBook, agent: str, all_ids: list[int]) -> None:
+        """The agent's request ends: its full blocks (the last token has no KV yet) are cached."""
+        hashes = [(agent, tuple(all_ids[:(i + 1) * self.block_size])) for i in range(len(all_ids) // self.block_size)]
+        for h in hashes[:(len(all_ids) - 1) // self.block_size]:
+            self.blocks.setdefault(h, 1000 + len(self.blocks))
+        b.finish(agent, all_ids, hashes)
+
+
+def test_a_mirror_reads_its_own_history_back_exactly_from_cached_blocks():
+    """Round 2 extends each agent's round-1 request: past vLLM's block-aligned hit, the history its
+    cached blocks hold is one exact span (copied, no check), read from those blocks (pinned by the
+    connector); the unfinished last block's tokens are computed (`history`); under another salt,
+    or once the blocks are evicted, nothing is read back."""
+    for salt2, evicted in ((None, False), ("other", False), (None, True)):
+        pool = Pool(block_size=8)
+        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=8, lookup=pool.blocks.get)
+        first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+        salts = {agent: agent for agent in first}
+        run_round(b, first, salts=salts)
+        said = {agent: [300 + i, 301, 302] for i, agent in enumerate(first)}
+        for agent, ids in first.items():
+            pool.finish(b, agent, ids + said[agent])
+        if evicted:
+            pool.blocks.clear()
+        second = {agent: ids + said[agent] + [NL, *[400 + j for j in range(6)], NL, 9] for agent, ids in first.items()}
+        counters = run_round(b, second, num_computed={agent: 8 for agent in second},
+                             salts={agent: salt2 or agent for agent in second})
+        mirrors = [b.find(agent) for agent in second if b.find(agent).role == "mirror"]
+        assert mirrors
+        for m in mirrors:
+            exact = [s for s in m.spans if s.exact]
+            if salt2 or evicted:
+                assert not exact and m.session_blocks == []
+                continue
+            cached = (len(first[m.request_id]) + 3 - 1) // 8 * 8  # full blocks of its first request
+            assert cached == 24
+            assert exact[0].start == 8 and exact[0].length == cached - 8 and exact[0].source_start == 8
+            assert m.session_blocks == sorted({exact[0].source_block_ids[i] for i in range(1, cached // 8)})
+            assert all(i >= 1000 for i in m.session_blocks)
+        if not (salt2 or evicted):
+            assert counters["reused_exact_tokens"] == sum(s.length for m in mirrors for s in m.spans if s.exact)
+            # the unfinished last block's history, where no master's piece covers it
+            assert counters["computed_tokens.history"] == sum(
+                len(set(range(24, len(first[m.request_id]) + 3)) - {p for s in m.spans for p in range(s.start, s.start + s.length)})
+                for m in mirrors) > 0
+        else:
+            assert counters.get("reused_exact_tokens", 0) == 0 and counters["computed_tokens.history"] > 0
+
+
+def test_a_mirror_recalls_its_own_pieces_that_moved_from_cached_blocks():
+    """An agent's round-1 private line, two tokens later in its round-2 prompt: re-rotated from
+    the block that still holds it (a recalled span, checked like a master's piece), not computed."""
+    pool = Pool(block_size=4)
+    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=4, lookup=pool.blocks.get)
+    first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    run_round(b, first)
+    for agent, ids in first.items():
+        pool.finish(b, agent, ids + [300, 301])
+    second = {agent: [999, NL] + ids for agent, ids in first.items()}  # everything moved by two
+    counters = run_round(b, second)
+    mirrors = [b.find(agent) for agent in second if b.find(agent).role == "mirror"]
+    assert mirrors
+    for m in mirrors:
+        recalled = [s for s in m.spans if s.recalled]
+        assert [(s.start, s.length, s.source_start, s.exact) for s in recalled] == [(2, 5, 0, False)]
+        assert m.session_blocks == sorted({recalled[0].source_block_ids[0], recalled[0].source_block_ids[1]})
+    assert counters["recalled_tokens"] == 5 * len(mirrors)
+    assert counters.get("computed_tokens.moved", 0) == 0

@@ -10,7 +10,8 @@ long a mirror waits for its masters before it is computed exactly), `claim_token
 (8192: the claimed tokens one step's pass fills at most; 0 for no limit).
 
 Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
-computed, pins the masters' blocks and claims each mirror's range. Worker side: one pass over the
+computed, pins the masters' blocks (and the blocks of an agent's previous request its claim reads)
+and claims each mirror's range. Worker side: one pass over the
 mirrors admitted in a step, before vLLM's forward (`worker.py`). Whatever it cannot do (a model,
 layout or config it does not know, a master gone, a timeout) is computed by vLLM exactly.
 
@@ -141,6 +142,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
         # scheduler side
         self.book: RoundBook | None = None
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
+        self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
         self.block_pool = None
         # worker side
         self.kv_caches: dict[str, Any] = {}
@@ -160,8 +162,32 @@ class TokenDanceConnector(KVConnectorBase_V1):
         if self.book is None:
             boundaries = handoff.boundary_token_ids(self._vllm_config.model_config)
             self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s,
-                                  self.settings.claim_tokens_per_step, anchors=self.settings.anchors)
+                                  self.settings.claim_tokens_per_step, anchors=self.settings.anchors,
+                                  block_size=self.block_size, lookup=self._cached_block)
         return self.book
+
+    def _cached_block(self, block_hash) -> int | None:
+        """The block vLLM's prefix cache holds for a hash (one KV cache group), or None."""
+        if self.block_pool is None or not self._single_group:
+            return None
+        blocks = self.block_pool.get_cached_block(block_hash, [0])
+        return None if blocks is None else blocks[0].block_id
+
+    @property
+    def _single_group(self) -> bool:
+        config = self._kv_cache_config
+        return config is None or len(config.kv_cache_groups) == 1
+
+    def _pin_session(self, request_id: str, block_ids: list[int]) -> None:
+        """Hold the session blocks a claim reads (vLLM's allocation for it may evict cached blocks)
+        until the workers have read them; a claim asked again drops its previous pins."""
+        self._unpin_session(request_id)
+        if block_ids:
+            self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
+            self.session_pins[request_id] = list(block_ids)
+
+    def _unpin_session(self, request_id: str) -> None:
+        self._release(self.session_pins.pop(request_id, []))
 
     def on_new_request(self, request) -> None:
         if self.disabled:
@@ -178,18 +204,22 @@ class TokenDanceConnector(KVConnectorBase_V1):
                            "(reused KV enters the prefix cache only under the agent's own salt)",
                            request.request_id, tag.round_id)
             return
-        self._book().add(request.request_id, tag, list(request.prompt_token_ids or []))
+        self._book().add(request.request_id, tag, list(request.prompt_token_ids or []), salt=request.cache_salt)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.book is None or self.book.find(request.request_id) is None:
             return 0, False
         count = self.book.claim(request.request_id, num_computed_tokens)
+        if count:
+            self._pin_session(request.request_id, self.book.find(request.request_id).session_blocks)
         return count, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         member = None if self.book is None else self.book.commit(request.request_id, num_external_tokens)
         if member is not None:
             self.pending[request.request_id] = member
+        else:
+            self._unpin_session(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = TokenDanceMetadata()
@@ -203,6 +233,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
             meta.loads.append(MirrorLoad(new.req_id, list(new.block_ids[0]), start, member.token_ids[start:end],
                                          self.book.loads_for(member), member.tag.recompute_ratio))
             member.loaded = True
+            # the workers read the session's blocks in this step, before any later step can write them
+            self._unpin_session(new.req_id)
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
         self.book.next_step()
@@ -235,9 +267,10 @@ class TokenDanceConnector(KVConnectorBase_V1):
             return False, None
         member = self.book.find(request.request_id)
         self.pending.pop(request.request_id, None)
+        self._unpin_session(request.request_id)
         if member is None:
             return False, None
-        self.book.finish(request.request_id, request.all_token_ids)
+        self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
         self._release(self.book.releasable())
         claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
         return False, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}

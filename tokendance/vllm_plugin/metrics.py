@@ -22,9 +22,13 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
                                        "or the step's claim budget spent)"),
     "claimed_tokens": ("claimed_tokens", None, "prompt tokens mirrors claimed (filled by the pass)"),
     "pass_tokens": ("pass_tokens", None, "claimed tokens the workers' passes filled"),
-    "reused_tokens": ("reused_tokens", None, "prompt tokens served from masters' KV (keys re-rotated)"),
-    "reused_exact_tokens": ("reused_exact_tokens", None, "reused tokens of which an exact copy existed (the "
-                                                         "agent's own history or an identical prefix)"),
+    "reused_tokens": ("reused_tokens", None, "prompt tokens served from masters' or the agent's own earlier KV "
+                                             "(keys re-rotated) or copied exactly"),
+    "reused_exact_tokens": ("reused_exact_tokens", None, "reused tokens copied as they are, no check or selection "
+                                                         "(the agent's own history past vLLM's block-aligned hit, "
+                                                         "an identical prefix)"),
+    "recalled_tokens": ("recalled_tokens", None, "claimed tokens of the agent's own earlier pieces that moved, "
+                                                 "read from blocks vLLM's prefix cache still holds"),
     "computed_tokens": ("computed_tokens", "reason", "prompt tokens computed beyond vLLM's prefix hit, by reason "
                                                      "(master, exact, private, no_master, history, prefix, "
                                                      "selected; check: reused tokens' check layers in full-model "

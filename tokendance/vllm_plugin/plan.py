@@ -11,13 +11,16 @@ class ReusedSpan:
     """A shared span of a mirror's prompt served from its master's KV: mirror positions
     [start, start + length) hold the tokens the master holds at [source_start, ...). With in-round
     anchors, `anchors` are more masters' encodings of it, (block ids, start), and the span is
-    served their mean with the master's."""
+    served their mean with the master's. An `exact` span (the source holds the same tokens at the
+    same positions after the same prefix) is copied in every layer, with no check or selection."""
 
     start: int
     length: int
     source_block_ids: list[int]
     source_start: int
     anchors: list[tuple[list[int], int]] = field(default_factory=list)
+    exact: bool = False  # the same tokens at the same positions after the same prefix: copied as is
+    recalled: bool = False  # from the mirror's own session (its previous request), not a master
 
     @property
     def sources(self) -> list[tuple[list[int], int]]:

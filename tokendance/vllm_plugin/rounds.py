@@ -11,14 +11,21 @@ arrived (or `round_timeout_s` passed), the round is planned with the engine's pl
 held until the masters holding its shared pieces have been computed, then claims its prompt up to
 the end of its last reused piece. With in-round anchors (`anchors` > 1), each shared piece is
 computed in full by up to that many masters, and a mirror reuses the mean of their encodings.
+
+A mirror also reads back its agent's previous request (its session) from blocks vLLM's prefix
+cache still holds, found by their hashes (`lookup`, under the same salt): the history past vLLM's
+block-aligned hit at the same positions, copied exactly, and pieces of its previous prompt that
+moved, re-rotated like a master's. Spans at the same positions after an identical prefix (the
+session's history, a master's identical system prompt) are copied exactly: no check, no selection.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokendance.reuse.planning import MAX_ANCHORS, choose_anchors, valid_anchors
 from tokendance.reuse.segments import segment_key
@@ -74,6 +81,18 @@ class Piece:
 
 
 @dataclass
+class Session:
+    """An agent's latest finished request: its tokens (prompt and output), its prompt's pieces (key
+    -> start), its salt, and vLLM's hashes of its full blocks (found again while the pool keeps
+    them)."""
+
+    token_ids: list[int]
+    pieces: dict[bytes, int]
+    salt: str | None = None
+    block_hashes: list[Any] = field(default_factory=list)
+
+
+@dataclass
 class Member:
     """One request of a round. A mirror's `reusable`: (mirror start, length, [(master, master
     start), ...]): each piece with every master (anchor) that computes it."""
@@ -93,6 +112,9 @@ class Member:
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
     num_computed: int = 0  # vLLM's own prefix hit at the latest claim
     counted: bool = False  # its tokens are in the book's counters (once, preemptions aside)
+    salt: str | None = None
+    spans: list[ReusedSpan] = field(default_factory=list)  # a mirror's claim: what fills it, by source
+    session_blocks: list[int] = field(default_factory=list)  # its session's blocks the claim reads
 
     @property
     def needs_masters(self) -> bool:
@@ -127,8 +149,13 @@ class RoundBook:
     held (one reference each) from its masters' computation until no member needs them."""
 
     def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
-                 claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1):
+                 claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1,
+                 block_size: int = 16, lookup: Callable[[Any], int | None] | None = None):
         self.boundaries = boundaries
+        self.block_size = block_size
+        # A block hash -> the id of the block vLLM's prefix cache holds for it, or None (None: no
+        # session is read back).
+        self.lookup = lookup
         self.anchors = anchors  # a round's, unless its first member's tag says otherwise
         # At most this many claimed tokens are admitted in one step (0: no limit): the workers fill
         # a large round's mirrors over several steps, and the first ones decode meanwhile.
@@ -143,22 +170,21 @@ class RoundBook:
         # What the rounds did since the connector last reported (`take_counters`): rounds by how
         # they formed, held steps, and every member's prompt tokens by who computes them and why.
         self.counters: Counter = Counter()
-        # Each agent's latest finished request, by (namespace, agent id): its tokens (prompt and
-        # output: what its next prompt holds exactly at the same positions) and its prompt's piece
-        # keys (what it may hold elsewhere); LRU, at most `max_sessions`.
-        self.sessions: OrderedDict[tuple[str, str], tuple[list[int], set[bytes]]] = OrderedDict()
+        # Each agent's latest finished request, by (namespace, agent id); LRU, at most `max_sessions`.
+        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self.max_sessions = 4096
 
-    def add(self, request_id: str, tag: RoundTag, token_ids: list[int], now: float | None = None) -> None:
+    def add(self, request_id: str, tag: RoundTag, token_ids: list[int], now: float | None = None,
+            salt: str | None = None) -> None:
         now = time.monotonic() if now is None else now
         key = (tag.namespace, tag.round_id)
         round_ = self.rounds.get(key)
         if round_ is None or round_.planned:  # a planned round takes no one: a late member is exact
             if round_ is not None:
-                self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role="exact"))
+                self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role="exact", salt=salt))
                 return
             round_ = self.rounds[key] = Round(key, tag.round_size, now)
-        member = Member(request_id, tag, token_ids, now)
+        member = Member(request_id, tag, token_ids, now, salt=salt)
         member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1)
         round_.members[request_id] = member
         self.members[request_id] = (round_, member)
@@ -188,7 +214,7 @@ class RoundBook:
         if member.loaded:  # resumed after a preemption: its masters may be unpinned by now
             member.role = "exact"
             return 0
-        spans = [r for r in member.reusable if r[0] >= num_computed]
+        spans = trim(member.reusable, num_computed)
         masters = {id(m): m for _, _, sources in spans for m, _ in sources}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
             member.role = "exact"
@@ -199,16 +225,61 @@ class RoundBook:
                 return 0
             self.counters["held_steps"] += 1
             return None
-        if not spans:  # all in vLLM's prefix cache already
+        member.spans = self._spans(member, spans, num_computed)
+        if not member.spans:  # all in vLLM's prefix cache already
             member.role = "exact"
             return 0
-        end = spans[-1][0] + spans[-1][1]
+        end = member.spans[-1].start + member.spans[-1].length
         budget, count = self.claim_tokens_per_step, end - num_computed
         if budget and self.claimed_this_step and self.claimed_this_step + count > budget:
             self.counters["held_steps"] += 1
+            member.spans, member.session_blocks = [], []
             return None  # this step's pass is full: a later step fills this mirror
         member.claim = (num_computed, end)
         return count
+
+    def _spans(self, member: Member, spans: list, start: int) -> list[ReusedSpan]:
+        """What fills a mirror's claim from `start` (vLLM's hit), in order: its session's history at
+        the same positions (exact), then its masters' pieces (exact where a master holds the same
+        tokens from position 0), then its session's pieces that moved. Sets the session blocks
+        read (the connector pins them)."""
+        member.session_blocks = []
+        session = self.sessions.get((member.tag.namespace, member.tag.agent_id))
+        if session is not None and (session.salt != member.salt or self.lookup is None):
+            session = None
+        held = [] if session is None else [self.lookup(h) for h in session.block_hashes]
+        cached = [-1 if b is None else b for b in held]
+        out: list[ReusedSpan] = []
+        history = start
+        if session is not None:  # exact: the same tokens from position 0, in blocks still cached
+            limit = min(common_prefix(member.token_ids, session.token_ids), len(member.token_ids) - 1)
+            while history < limit and history // self.block_size < len(cached) and cached[history // self.block_size] >= 0:
+                history = min(limit, (history // self.block_size + 1) * self.block_size)
+            if history > start:
+                out.append(ReusedSpan(start, history - start, cached, start, exact=True))
+        same = {id(m): common_prefix(member.token_ids, m.token_ids) for _, _, sources in spans for m, _ in sources}
+        for s, n, sources in trim(spans, history):
+            (first, at), *more = sources
+            if all(ms == s and s + n <= same[id(m)] for m, ms in sources):
+                out.append(ReusedSpan(s, n, first.block_ids, s, exact=True))
+            else:
+                out.append(ReusedSpan(s, n, first.block_ids, at, [(m.block_ids, ms) for m, ms in more]))
+        if session is not None:
+            taken = [(r.start, r.start + r.length) for r in out]
+            for p in member.pieces:
+                was = session.pieces.get(p.key)
+                n = p.end - p.start
+                if (was is None or p.start < history or n < self.min_piece_tokens
+                        or any(overlap(p.start, p.end, a, b) for a, b in taken)
+                        or not all(b >= 0 for b in cached[was // self.block_size:(was + n - 1) // self.block_size + 1])
+                        or (was + n - 1) // self.block_size >= len(cached)):
+                    continue
+                out.append(ReusedSpan(p.start, n, cached, was, recalled=True))
+        out.sort(key=lambda r: r.start)
+        used = {cached[b] for r in out if r.source_block_ids is cached
+                for b in range(r.source_start // self.block_size, (r.source_start + r.length - 1) // self.block_size + 1)}
+        member.session_blocks = sorted(used)
+        return merge(out)
 
     def commit(self, request_id: str, num_external: int) -> Member | None:
         """vLLM allocated the request with `num_external` claimed tokens: the mirror whose load the
@@ -232,22 +303,8 @@ class RoundBook:
         self.claimed_this_step = 0
 
     def loads_for(self, member: Member) -> list[ReusedSpan]:
-        """The reused spans of a mirror's claim, with their masters' block ids; pieces that follow
-        each other in the mirror's prompt and in every master's are one span."""
-        start, end = member.claim
-        spans: list[ReusedSpan] = []
-        for s, n, sources in member.reusable:
-            if s < start or s + n > end:
-                continue
-            last = spans[-1] if spans else None
-            if (last is not None and last.start + last.length == s and len(last.sources) == len(sources)
-                    and all(blocks is m.block_ids and at + last.length == ms
-                            for (blocks, at), (m, ms) in zip(last.sources, sources))):
-                last.length += n
-            else:
-                (first, first_start), *more = sources
-                spans.append(ReusedSpan(s, n, first.block_ids, first_start, [(m.block_ids, ms) for m, ms in more]))
-        return spans
+        """What fills a mirror's claim: its spans, by source (masters' blocks, its session's)."""
+        return member.spans
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
         """A master's prompt is computed in this step: its blocks (to pin) are returned."""
@@ -257,8 +314,10 @@ class RoundBook:
         round_.pinned.extend(block_ids)
         return list(block_ids)
 
-    def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None) -> None:
-        """The request is done; `all_token_ids` (its prompt and output) is its agent's session."""
+    def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None,
+               block_hashes: Sequence[Any] = ()) -> None:
+        """The request is done; `all_token_ids` (its prompt and output) and `block_hashes` (vLLM's,
+        of its full blocks) are its agent's session."""
         entry = self.members.pop(request_id, None)
         if entry is None:
             return
@@ -266,7 +325,10 @@ class RoundBook:
         member.finished = True
         if all_token_ids is not None:  # its prompt's pieces were cut when it came: kept, not cut again
             key = (member.tag.namespace, member.tag.agent_id)
-            self.sessions[key] = (list(all_token_ids), {p.key for p in member.pieces})
+            pieces = {}
+            for p in member.pieces:
+                pieces.setdefault(p.key, p.start)
+            self.sessions[key] = Session(list(all_token_ids), pieces, member.salt, list(block_hashes))
             self.sessions.move_to_end(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
@@ -293,18 +355,17 @@ class RoundBook:
 
     def _count(self, member: Member) -> None:
         """A member's prompt tokens beyond vLLM's own prefix hit, by who computes them and why
-        (`computed_tokens.<reason>`), counted once when it is first allocated. A mirror's reused
-        pieces are left to the workers, which split them into reused and selected tokens; its
-        other tokens are:
-        - `history`: what its agent's previous request held at the same positions, exactly (lost
-          to vLLM's block-aligned hit, or to a pool that evicted it);
+        (`computed_tokens.<reason>`), counted once when it is first allocated. A mirror's claimed
+        spans are left to the workers, which split them into reused and selected tokens (spans
+        copied exactly are `reused_exact_tokens`, its session's moved pieces `recalled_tokens`);
+        its other tokens are:
+        - `history`: what its agent's previous request held at the same positions, exactly, and
+          no cached block holds any more (evicted, or the previous request's unfinished last block);
         - `prefix`: what a master of its round holds at the same positions (an identical prefix,
           such as the system prompt, under another salt);
         - `no_master`: pieces other members share but no master computes;
-        - `moved`: pieces its agent's previous request held at other positions (what a recall of
-          the agent's own moved segments would serve);
-        - `private`: the rest (its own text, the tail after its last reused piece).
-        `reused_exact_tokens`: reused-piece tokens that had an exact copy (history or prefix)."""
+        - `moved`: pieces its agent's previous request held at other positions, no longer cached;
+        - `private`: the rest (its own text, the tail after its last reused piece)."""
         if member.counted:
             return
         member.counted = True
@@ -312,13 +373,14 @@ class RoundBook:
         if member.role != "mirror" or member.claim is None:
             self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start
             return
-        session, own = self.sessions.get((member.tag.namespace, member.tag.agent_id), ((), set()))
-        history = common_prefix(member.token_ids, session)
-        moved = [(p.start, p.end) for p in member.pieces if p.key in own and p.end - p.start >= self.min_piece_tokens]
+        session = self.sessions.get((member.tag.namespace, member.tag.agent_id))
+        history = common_prefix(member.token_ids, session.token_ids) if session else 0
+        moved = [(p.start, p.end) for p in member.pieces
+                 if session and p.key in session.pieces and p.end - p.start >= self.min_piece_tokens]
         masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}
         prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
         prefix = max(prefix, history)
-        spans = [(s, s + n) for s, n, _ in member.reusable if s >= start and s + n <= member.claim[1]]
+        spans = [(r.start, r.start + r.length) for r in member.spans]
         gaps, at = [], start
         for s, e in spans:
             if s > at:
@@ -337,7 +399,8 @@ class RoundBook:
             self.counters["computed_tokens.no_master"] += no_master
             self.counters["computed_tokens.moved"] += recalled
             self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master - recalled
-        self.counters["reused_exact_tokens"] += sum(overlap(s, e, 0, prefix) for s, e in spans)
+        self.counters["reused_exact_tokens"] += sum(r.length for r in member.spans if r.exact)
+        self.counters["recalled_tokens"] += sum(r.length for r in member.spans if r.recalled)
         self.counters["claimed_tokens"] += member.claim[1] - member.claim[0]
 
     def _plan(self, round_: Round) -> None:
@@ -370,6 +433,33 @@ class RoundBook:
                 member.role = "exact"
         for member in members:
             self.counters[f"members.{member.role}"] += 1
+
+
+def trim(reusable: list, start: int) -> list:
+    """`reusable` spans (start, length, sources) from position `start` on: spans before it dropped,
+    one across it cut (its sources' starts moved alike)."""
+    out = []
+    for s, n, sources in reusable:
+        if s + n <= start:
+            continue
+        cut = max(0, start - s)
+        out.append((s + cut, n - cut, [(m, ms + cut) for m, ms in sources]))
+    return out
+
+
+def merge(spans: list[ReusedSpan]) -> list[ReusedSpan]:
+    """Spans in order, those that follow each other in the mirror and in every source (the same
+    blocks, the same kind) as one."""
+    out: list[ReusedSpan] = []
+    for span in spans:
+        last = out[-1] if out else None
+        if (last is not None and last.start + last.length == span.start and last.exact == span.exact
+                and last.recalled == span.recalled and len(last.sources) == len(span.sources)
+                and all(a is b and at + last.length == bt for (a, at), (b, bt) in zip(last.sources, span.sources))):
+            last.length += span.length
+        else:
+            out.append(span)
+    return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -3,6 +3,9 @@
 for the pass by `PassAttention`: exact causal limits over each mirror's paged KV.
 
 For all mirrors of the step at once:
+0. exact spans (the same tokens at the same positions after the same prefix: an agent's own
+   history past vLLM's block-aligned hit, a master's identical system prompt) copied in every
+   layer; the other claimed tokens go through 1-4;
 1. the check pass: layers 0..c over every claimed token, exactly (their KV is written as is);
 2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
    fresh key at layer c (`reuse/selection.py`, the engine's selectors);
@@ -193,68 +196,98 @@ class MirrorPass:
     @torch.inference_mode()
     def run(self, loads: list[MirrorLoad]) -> Counter:
         """Fill every load's claimed range. Returns what it did, as the connector's stats count it:
-        `reused_tokens` (served from masters), `computed_tokens.selected` (reused-piece tokens
-        recomputed), `computed_tokens.check` (the reused tokens' layers 0..c, in full-model token
-        equivalents), `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy,
-        recompute; `attention` inside check and recompute)."""
+        `reused_tokens` (served from masters or the mirror's session, exact copies included),
+        `computed_tokens.selected` (reused-span tokens recomputed), `computed_tokens.check` (the
+        reused tokens' layers 0..c, in full-model token equivalents), `pass_tokens` (claimed),
+        `pass_seconds.<phase>` (check, select, copy, recompute; `attention` inside check and
+        recompute)."""
         clock = PhaseClock()
         for shim in self.shims:
             shim.seconds = 0.0
         device = self.layouts[0].cache.device
-        ids = torch.tensor([t for load in loads for t in load.token_ids], device=device)
-        positions = torch.cat([torch.arange(load.start, load.end, device=device) for load in loads])
         context = [self._slots(load.block_ids, 0, load.end) for load in loads]
-        embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
-        hidden, residual = embed(ids), None
-        # 1. the check pass: every claimed token through layers 0..c, exactly
-        attends, row = [], 0
-        for load, slots in zip(loads, context):
-            attends.append(Attend(row, row + len(load.token_ids), positions[row:row + len(load.token_ids)], slots))
-            row += len(load.token_ids)
-        write = torch.cat([slots[load.start:] for load, slots in zip(loads, context)])
-        c = self.check_layer
-        self.shims[c].capture = True
-        hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
-        fresh = self.shims[c].keys
-        self.shims[c].capture, self.shims[c].keys = False, None
-        clock.lap("check")
-        # 2. selection and 3. the copy of the masters' K/V for the tokens not selected
-        keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
-        copies = self._select(loads, fresh, keep)
-        clock.lap("select")
-        if copies is not None:
-            self._copy(*copies, layers=range(c + 1, len(self.layers)))
+        # 0. exact spans copied in every layer; the pass computes the other rows (`batch`)
+        exact = self._copy_exact(loads, context)
+        batch = [~mask for mask in exact]
+        counts = [int(m.sum()) for m in batch]
+        ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
+        positions = torch.cat([torch.arange(load.start, load.end, device=device)[m] for load, m in zip(loads, batch)])
+        write = torch.cat([slots[load.start:][m] for load, slots, m in zip(loads, context, batch)])
         clock.lap("copy")
-        # 4. the recompute: selected and private tokens through the remaining layers
-        rows = keep.nonzero().flatten()
-        if c + 1 < len(self.layers) and len(rows):
-            attends = attends_of(rows, positions, context, loads)
-            self._layers(range(c + 1, len(self.layers)), positions[rows], hidden[rows],
-                         None if residual is None else residual[rows], write[rows], attends)
-        clock.lap("recompute")
+        keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
+        c = self.check_layer
+        if len(ids):
+            embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
+            hidden, residual = embed(ids), None
+            # 1. the check pass: every computed row through layers 0..c, exactly
+            attends, row = [], 0
+            for slots, n in zip(context, counts):
+                if n:
+                    attends.append(Attend(row, row + n, positions[row:row + n], slots))
+                row += n
+            self.shims[c].capture = True
+            hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
+            fresh = self.shims[c].keys
+            self.shims[c].capture, self.shims[c].keys = False, None
+            clock.lap("check")
+            # 2. selection and 3. the copy of the sources' K/V for the tokens not selected
+            copies = self._select(loads, batch, fresh, keep)
+            clock.lap("select")
+            if copies is not None:
+                self._copy(*copies, layers=range(c + 1, len(self.layers)))
+            clock.lap("copy")
+            # 4. the recompute: selected and private tokens through the remaining layers
+            rows = keep.nonzero().flatten()
+            if c + 1 < len(self.layers) and len(rows):
+                attends = attends_of(rows, positions, context, counts)
+                self._layers(range(c + 1, len(self.layers)), positions[rows], hidden[rows],
+                             None if residual is None else residual[rows], write[rows], attends)
+            clock.lap("recompute")
+        copied = sum(int(m.sum()) for m in exact)
         reused = int((~keep).sum())
-        span_tokens = sum(span.length for load in loads for span in load.spans)
-        report = Counter({"pass_tokens": len(ids), "reused_tokens": reused,
+        span_tokens = sum(span.length for load in loads for span in load.spans if not span.exact)
+        report = Counter({"pass_tokens": sum(len(load.token_ids) for load in loads), "reused_tokens": reused + copied,
                           "computed_tokens.selected": span_tokens - reused,
                           "computed_tokens.check": reused * (c + 1) / len(self.layers)})
         report.update({f"pass_seconds.{phase}": seconds for phase, seconds in clock.laps.items()})
         report["pass_seconds.attention"] = sum(shim.seconds for shim in self.shims)
         return report
 
-    def _select(self, loads, fresh, keep):
-        """Choose each span's tokens to recompute (clearing `keep` for the others) and return the
-        copy for the rest: (their `Sources`, destination slots, destination positions)."""
-        c, row = self.check_layer, 0
-        sources, dst_slots, dst_pos = [], [], []
-        for load in loads:
+    def _copy_exact(self, loads, context) -> list[torch.Tensor]:
+        """Copy every exact span's K/V, all layers, as is (same tokens, same positions, same
+        prefix); per load, the mask of its claimed positions so filled."""
+        masks, src, dst = [], [], []
+        for load, slots in zip(loads, context):
+            mask = torch.zeros(len(load.token_ids), dtype=torch.bool)
             for span in load.spans:
+                if span.exact:
+                    mask[span.start - load.start:span.start - load.start + span.length] = True
+                    src.append(self._slots(span.source_block_ids, span.source_start, span.source_start + span.length))
+                    dst.append(slots[span.start:span.start + span.length])
+            masks.append(mask.to(slots.device))
+        if src:
+            src_slots, dst_slots = torch.cat(src), torch.cat(dst)
+            for layout in self.layouts:
+                layout.write(dst_slots, *layout.read(src_slots))
+        return masks
+
+    def _select(self, loads, batch, fresh, keep):
+        """Choose each reused span's tokens to recompute (clearing `keep` for the others) and return
+        the copy for the rest: (their `Sources`, destination slots, destination positions)."""
+        row = 0
+        sources, dst_slots, dst_pos = [], [], []
+        for load, mask in zip(loads, batch):
+            row_of = row + torch.cumsum(mask.long(), 0) - 1  # claimed position -> batch row
+            for span in load.spans:
+                if span.exact:
+                    continue
                 offsets = torch.arange(span.length)
                 weight = torch.full((span.length,), 1 / len(span.sources), device=fresh.device)
                 held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in span.sources],
                                [offsets + start for _, start in span.sources], [weight] * len(span.sources))
                 d_pos = offsets + span.start
-                rows = row + (span.start - load.start) + offsets
-                cached = held.read(self.layouts[c], self.rotate, d_pos)[0]
+                rows = row_of[span.start - load.start + offsets]
+                cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
                 deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
                 chosen = torch.zeros(span.length, dtype=torch.bool)
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
@@ -263,7 +296,7 @@ class MirrorPass:
                 sources.append(held.select(reused))
                 dst_slots.append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
                 dst_pos.append(d_pos[reused])
-            row += len(load.token_ids)
+            row += int(mask.sum())
         if not sources:
             return None
         return Sources.cat(sources), torch.cat(dst_slots), torch.cat(dst_pos)
@@ -315,12 +348,12 @@ class PhaseClock:
 
 
 def attends_of(rows: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
-               loads: list[MirrorLoad]) -> list[Attend]:
+               counts: list[int]) -> list[Attend]:
     """The recompute's attention, per mirror: its kept rows (renumbered in the recompute's batch)
-    over its whole context."""
+    over its whole context; `counts`: each mirror's rows in the pass's batch."""
     attends, batch_row, first = [], 0, 0
-    for load, slots in zip(loads, context):
-        last = first + len(load.token_ids)
+    for slots, count in zip(context, counts):
+        last = first + count
         mine = rows[(rows >= first) & (rows < last)]
         if len(mine):
             attends.append(Attend(batch_row, batch_row + len(mine), positions[mine], slots))
