@@ -1,6 +1,7 @@
 """Fidelity of the vLLM plugin's reuse against vLLM's own full computation, teacher-forced:
 
-    .venv-vllm/bin/python benchmarks/vllm_plugin_fidelity.py --agents 16 --ratios 1.0 0.15 --anchors 1 2
+    .venv-vllm/bin/python benchmarks/vllm_plugin_fidelity.py --agents 16 --ratios 1.0 0.05 --anchors 1 2 \
+        [--selection cacheblend]
 
 For each agent of a Generative Agents round: vLLM computes its prompt in full and writes a greedy
 continuation C (the reference, with the top-20 log-probs at each step); then the round's prompts
@@ -36,7 +37,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="continuation length scored per agent")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.15])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.05])
+    parser.add_argument("--selection", default=None, help="the connector's selection (default: its own)")
     parser.add_argument("--anchors", type=int, nargs="+", default=[1], help="in-round anchor counts")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
@@ -50,9 +52,13 @@ def main() -> int:
 
     cpu = probe_cpu()
     dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
+    extra = {} if args.selection is None else {"selection": args.selection}
     llm = LLM(model=str(default_model_folder()), dtype=dtype, max_model_len=8192, enable_prefix_caching=True,
-              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector",
-                                                                              kv_role="kv_both"))
+              enforce_eager=True, seed=0, kv_transfer_config=KVTransferConfig(
+                  kv_connector="TokenDanceConnector", kv_role="kv_both", kv_connector_extra_config=extra))
+    from tokendance.vllm_plugin.connector import Settings
+
+    selection = Settings.from_extra(extra).selection
     tokenizer = llm.get_tokenizer()
     workload = make_workload("generative-agents", args.agents, seed=0)
     turns = workload.turns(0, [])
@@ -60,7 +66,8 @@ def main() -> int:
                                                   return_dict=True)["input_ids"]) for t in turns]
     full = llm.generate([TokensPrompt(prompt_token_ids=p, cache_salt=f"full-{t.agent_id}") for p, t in zip(prompts, turns)],
                         SamplingParams(temperature=0, max_tokens=args.tokens, logprobs=20, ignore_eos=True), use_tqdm=False)
-    print(f"generative-agents N={args.agents}, {dtype}, CPU {cpu.describe()}; {args.tokens} teacher-forced tokens per agent")
+    print(f"generative-agents N={args.agents}, {dtype}, CPU {cpu.describe()}, selection {selection}; "
+          f"{args.tokens} teacher-forced tokens per agent")
     print(f"{'ratio':>6}{'anchors':>8}{'KL mean':>10}{'KL p99':>10}{'top-1 agree':>13}{'logprob change':>16}{'mirrors':>9}")
     settings = [(ratio, anchors) for ratio in args.ratios for anchors in args.anchors]
     for round_index, (ratio, anchors) in enumerate(settings):

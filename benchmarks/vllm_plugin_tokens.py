@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from tokendance.model.loader import load_tokenizer
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
 from tokendance.vllm_plugin.rounds import RoundBook, RoundTag, common_prefix
 from tokendance.workloads import make_workload
 
@@ -27,7 +29,7 @@ def boundaries(tokenizer) -> frozenset[int]:
     return frozenset(ids | {i for i in special if i is not None})
 
 
-def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed: int) -> list[dict]:
+def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed: int, ratio: float) -> list[dict]:
     tokenizer = load_tokenizer()
     workload = make_workload(workload_name, num_agents, seed=seed)
     pool: dict[tuple, int] = {}  # block hash -> block id: every full block computed so far
@@ -47,10 +49,14 @@ def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed:
                 book.claim(agent, hits[agent], now=0.0)
                 book.commit(agent, 0)
                 book.mark_ready(agent, [0])
+        selected = 0
         for agent in prompts:
             if book.find(agent).role != "master":
-                book.commit(agent, book.claim(agent, hits[agent], now=0.0) or 0)
+                member = book.commit(agent, book.claim(agent, hits[agent], now=0.0) or 0)
+                if member is not None:  # the pass recomputes each span's first ceil(ratio * length)
+                    selected += sum(math.ceil(ratio * s.length - 1e-9) for s in member.spans if not s.exact)
         counters = book.take_counters()
+        counters["computed_tokens.selected"] = selected
         outputs = workload.synthetic_outputs(r)
         for agent, ids in prompts.items():
             said = tokenizer.encode(outputs.get(agent, ""))
@@ -60,7 +66,8 @@ def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed:
             book.finish(agent, ids + said, hashes)
             cache[agent] = ids + said
         book.releasable()
-        rows.append({"round": r + 1, "prompt_tokens": sum(map(len, prompts.values())),
+        computed = sum(v for k, v in counters.items() if k.startswith("computed_tokens."))
+        rows.append({"round": r + 1, "prompt_tokens": sum(map(len, prompts.values())), "computed": computed,
                      "vllm_hit_tokens": sum(hits.values()), **counters})
     return rows
 
@@ -72,19 +79,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size (128 on CPU, 16 on GPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO,
+                        help="recompute ratio (EPIC: the connector's default selection, no check pass)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
-    rows = run(args.workload, args.agents, args.rounds, args.block_size, args.seed)
+    rows = run(args.workload, args.agents, args.rounds, args.block_size, args.seed, args.ratio)
     reasons = sorted({k for row in rows for k in row if k.startswith("computed_tokens.")})
-    print(f"{args.workload} N={args.agents}, vLLM block size {args.block_size}: prompt tokens by who computes them")
-    header = ["round", "prompt", "vLLM hit", "claimed", "exact copy", "recalled", *[k.split(".")[1] for k in reasons]]
+    print(f"{args.workload} N={args.agents}, vLLM block size {args.block_size}, ratio {args.ratio}: prompt tokens "
+          f"by who computes them")
+    header = ["round", "prompt", "vLLM hit", "claimed", "exact copy", "recalled", "computed",
+              *[k.split(".")[1] for k in reasons]]
     print("".join(f"{h:>11}" for h in header))
     for row in rows:
         values = [row["round"], row["prompt_tokens"], row["vllm_hit_tokens"], row.get("claimed_tokens", 0),
-                  row.get("reused_exact_tokens", 0), row.get("recalled_tokens", 0), *[row.get(k, 0) for k in reasons]]
+                  row.get("reused_exact_tokens", 0), row.get("recalled_tokens", 0), row["computed"],
+                  *[row.get(k, 0) for k in reasons]]
         print("".join(f"{v:>11}" for v in values))
     print("(claimed: filled by the workers' pass, reused except the selected share; exact copy: claimed tokens "
-          "copied as they are, no check or selection; recalled: the agents' own moved pieces, from cached blocks)")
+          "copied as they are, no check or selection; recalled: the agents' own moved pieces, from cached blocks; "
+          "computed: the sum of the reasons)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

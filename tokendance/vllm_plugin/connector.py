@@ -4,7 +4,7 @@ KV connector. Turn it on with
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TokenDanceConnector", "kv_role": "kv_both"}'
 
 (the name is registered by this package's `vllm.general_plugins` entry point). Settings go in
-`kv_connector_extra_config`: `recompute_ratio` (0.15), `selection` ("cacheblend"), `check_layer`
+`kv_connector_extra_config`: `recompute_ratio` (0.05), `selection` ("epic"), `check_layer`
 (1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
 long a mirror waits for its masters before it is computed exactly), `claim_tokens_per_step`
 (8192: the claimed tokens one step's pass fills at most; 0 for no limit).
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tokendance.registry import SELECTIONS
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, SELECTIONS
 from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
 from tokendance.reuse.selection import SCORES, make_selector
 from tokendance.vllm_plugin import handoff
@@ -46,8 +46,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 @dataclass
 class Settings:
-    recompute_ratio: float = 0.15
-    selection: str = "cacheblend"
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO  # the engine's defaults: one choice for both front doors
+    selection: str = DEFAULT_SELECTION
     check_layer: int = 1
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0

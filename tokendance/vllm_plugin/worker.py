@@ -7,6 +7,7 @@ For all mirrors of the step at once:
    history past vLLM's block-aligned hit, a master's identical system prompt) copied in every
    layer; the other claimed tokens go through 1-4;
 1. the check pass: layers 0..c over every claimed token, exactly (their KV is written as is);
+   none for a selection that ranks nothing (EPIC: each span's first tokens), c = -1 then;
 2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
    fresh key at layer c (`reuse/selection.py`, the engine's selectors);
 3. the copy: for layers c+1.., the master's K/V of the tokens not selected, keys re-rotated to
@@ -215,7 +216,8 @@ class MirrorPass:
         write = torch.cat([slots[load.start:][m] for load, slots, m in zip(loads, context, batch)])
         clock.lap("copy")
         keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
-        c = self.check_layer
+        # a selection that ranks nothing (EPIC: each span's first tokens) needs no check pass
+        c = self.check_layer if self._selector(None).needs_check_pass else -1
         if len(ids):
             embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
             hidden, residual = embed(ids), None
@@ -225,10 +227,12 @@ class MirrorPass:
                 if n:
                     attends.append(Attend(row, row + n, positions[row:row + n], slots))
                 row += n
-            self.shims[c].capture = True
-            hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
-            fresh = self.shims[c].keys
-            self.shims[c].capture, self.shims[c].keys = False, None
+            fresh = None
+            if c >= 0:
+                self.shims[c].capture = True
+                hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
+                fresh = self.shims[c].keys
+                self.shims[c].capture, self.shims[c].keys = False, None
             clock.lap("check")
             # 2. selection and 3. the copy of the sources' K/V for the tokens not selected
             copies = self._select(loads, batch, fresh, keep)
@@ -282,13 +286,15 @@ class MirrorPass:
                 if span.exact:
                     continue
                 offsets = torch.arange(span.length)
-                weight = torch.full((span.length,), 1 / len(span.sources), device=fresh.device)
+                weight = torch.full((span.length,), 1 / len(span.sources), device=keep.device)
                 held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in span.sources],
                                [offsets + start for _, start in span.sources], [weight] * len(span.sources))
                 d_pos = offsets + span.start
                 rows = row_of[span.start - load.start + offsets]
-                cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
-                deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
+                deviation = None
+                if fresh is not None:
+                    cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
+                    deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
                 chosen = torch.zeros(span.length, dtype=torch.bool)
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
                 reused = ~chosen
