@@ -21,6 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVERS = ("vllm", "vllm+tokendance", "tokendance")
@@ -99,7 +101,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
-    parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of both TokenDance servers")
+    parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO,
+                        help="recompute ratio of both TokenDance servers (their default selection: EPIC)")
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     args = parser.parse_args()
     from tokendance.model.platform import probe_cpu

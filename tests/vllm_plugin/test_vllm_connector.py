@@ -31,7 +31,7 @@ def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed
 
 
 def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: float | None = None,
-             max_tokens: int = 16, salted: bool = True, anchors: int | None = None):
+             max_tokens: int = 16, salted: bool = True, anchors: int | None = None, ignore_eos: bool = False):
     """One request per agent; tagged as one round when `round_id` is given. {agent: output}."""
     params = []
     for agent in prompts:
@@ -43,7 +43,7 @@ def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: 
             if anchors is not None:
                 tag["anchors"] = anchors
             extra = {"kv_transfer_params": {"tokendance": tag}}
-        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra))
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra, ignore_eos=ignore_eos))
     requests = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": f"{salt}-{agent}"} if salted else {}))
                 for agent, ids in prompts.items()]
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -110,6 +110,38 @@ def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(
     # ratio 1.0 the only tokens reused
     assert counted["vllm:tokendance_reused_tokens"] == counted["vllm:tokendance_reused_exact_tokens"] > 0
     assert_every_token_accounted(counted, two, second)
+
+
+def test_a_piece_no_master_holds_is_computed_once_by_its_first_holder(vllm_llm):
+    """Two pairs of agents each share a message the other pair lacks, after the same system prompt
+    and news; one master holds one pair's. The other pair's message is computed by its first holder
+    and reused by the second in the same pass, copied layer by layer once written: counted as
+    computed once. Everything here reused is the same tokens after the same prefix, so even at
+    ratio 0 (nothing recomputed) every agent gets vLLM's exact tokens: the copy read the first
+    holder's finished KV, layer by layer."""
+    tokenizer = vllm_llm.get_tokenizer()
+    common = "Town news: " + " ".join(f"item {i} of the morning report" for i in range(30))
+    pair = {0: "Alice said: the bakery opens at seven and sells rye bread on Sundays.",
+            1: "Bob said: the river path is closed after the storm, take the bridge instead."}
+
+    def render(agent: int) -> list[int]:
+        messages = [{"role": "system", "content": "You are a villager."}, {"role": "user", "content": common},
+                    {"role": "user", "content": pair[agent // 2]},
+                    {"role": "user", "content": f"Agent {agent}, what do you do next?"}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+
+    prompts = {f"p{i}": render(i) for i in range(4)}
+    before = tokendance_counters(vllm_llm)
+    reused = generate(vllm_llm, prompts, "nomaster", round_id=f"r{next(_ids)}", ratio=0.0)
+    counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
+    exact = generate(vllm_llm, prompts, "nomasterref")
+    assert sorted(roles(reused).values()) == ["master", "mirror", "mirror", "mirror"]
+    assert counted["vllm:tokendance_passes"] == 1  # the first holder and the second in one pass
+    piece = len(tokenizer.encode(pair[1]))
+    assert piece - 4 <= counted[("vllm:tokendance_computed_tokens", "no_master")] <= piece + 4  # once, not twice
+    assert_every_token_accounted(counted, reused, prompts)
+    assert tokens(reused) == tokens(exact)
 
 
 def test_reused_kv_never_answers_another_salt_or_an_untagged_request(vllm_llm):
@@ -181,9 +213,9 @@ def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
     still gives vLLM's exact tokens at ratio 1.0."""
     prompts = round_prompts(vllm_llm, 12, seed=5)
     before = preemptions(vllm_llm)
-    reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=48)
+    reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=96, ignore_eos=True)
     assert preemptions(vllm_llm) > before
-    exact = generate(vllm_llm, prompts, "bigref", max_tokens=48)
+    exact = generate(vllm_llm, prompts, "bigref", max_tokens=96, ignore_eos=True)
     assert tokens(reused) == tokens(exact)
     assert "mirror" in roles(reused).values()
 

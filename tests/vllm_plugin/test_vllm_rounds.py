@@ -246,8 +246,9 @@ def test_round_tokens_are_counted_by_who_computes_them_and_why():
 
 def test_pieces_no_master_holds_and_an_agents_own_history_are_counted():
     """Two pairs of agents each share a line the other pair lacks: the master (one of them) holds
-    one pair's, the other pair computes its own (`no_master`). An agent's previous request's tokens
-    at the same positions, left beyond vLLM's block-aligned hit, are `history`."""
+    one pair's; the other pair's line is computed once, by its first holder (`no_master`), and
+    reused by the second, in the same pass (a late span: copied layer by layer). An agent's previous
+    request's tokens at the same positions, left beyond vLLM's block-aligned hit, are `history`."""
     common = [[50 + j for j in range(20)]]
     pair_a, pair_b = [[60 + j for j in range(5)]], [[70 + j for j in range(5)]]
     prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
@@ -255,7 +256,14 @@ def test_pieces_no_master_holds_and_an_agents_own_history_are_counted():
     b = book()
     counters = run_round(b, prompts)
     assert counters["members.master"] == 1
-    assert counters["computed_tokens.no_master"] == 2 * 6  # one pair's line (5 + its boundary), twice
+    assert counters["computed_tokens.no_master"] == 6  # one pair's line (5 + its boundary), once
+    master = next(a for a in prompts if b.find(a).role == "master")
+    pair = ["a2", "a3"] if master in ("a0", "a1") else ["a0", "a1"]
+    first, second = b.find(pair[0]), b.find(pair[1])
+    assert first.provides_end == 29 and first.claim[1] >= 29  # its claim covers the piece it provides
+    late = [s for s in second.spans if s.late]
+    assert [(s.start, s.length, s.source_start) for s in late] == [(23, 6, 23)]
+    assert late[0].source_block_ids is first.block_ids  # filled when the first holder's load is sent
     for agent, ids in prompts.items():
         b.finish(agent, ids + [300, 301])  # what each said
     second = {agent: ids + [300, 301, NL] + [400 + i] * 3 + [NL] + [9] for i, (agent, ids) in enumerate(prompts.items())}

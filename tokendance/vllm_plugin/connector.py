@@ -225,16 +225,21 @@ class TokenDanceConnector(KVConnectorBase_V1):
         meta = TokenDanceMetadata()
         if self.book is None:
             return meta
+        admitted = []
         for new in scheduler_output.scheduled_new_reqs:
             member = self.pending.pop(new.req_id, None)
-            if member is None:
-                continue
+            if member is not None:
+                member.block_ids[:] = new.block_ids[0]  # before any load reads a piece this one provides
+                admitted.append((new.req_id, member))
+        for request_id, member in admitted:
             start, end = member.claim
-            meta.loads.append(MirrorLoad(new.req_id, list(new.block_ids[0]), start, member.token_ids[start:end],
+            meta.loads.append(MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
                                          self.book.loads_for(member), member.tag.recompute_ratio))
             member.loaded = True
             # the workers read the session's blocks in this step, before any later step can write them
-            self._unpin_session(new.req_id)
+            self._unpin_session(request_id)
+            if member.provides_end:  # pieces no master computes, which later members read from its blocks
+                self.block_pool.touch([self.block_pool.blocks[i] for i in self.book.mark_ready(request_id, member.block_ids)])
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
         self.book.next_step()

@@ -21,6 +21,7 @@ class ReusedSpan:
     anchors: list[tuple[list[int], int]] = field(default_factory=list)
     exact: bool = False  # the same tokens at the same positions after the same prefix: copied as is
     recalled: bool = False  # from the mirror's own session (its previous request), not a master
+    late: bool = False  # from another mirror of the same pass (its first holder): copied layer by layer
 
     @property
     def sources(self) -> list[tuple[list[int], int]]:

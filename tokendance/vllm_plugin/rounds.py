@@ -113,6 +113,9 @@ class Member:
     num_computed: int = 0  # vLLM's own prefix hit at the latest claim
     counted: bool = False  # its tokens are in the book's counters (once, preemptions aside)
     salt: str | None = None
+    provides: list[tuple[int, int]] = field(default_factory=list)  # pieces no master computes, it first
+    provides_end: int = 0  # where the last of them ends
+    committed: bool = False  # vLLM allocated its claim (its pass runs in this step or ran before)
     spans: list[ReusedSpan] = field(default_factory=list)  # a mirror's claim: what fills it, by source
     session_blocks: list[int] = field(default_factory=list)  # its session's blocks the claim reads
 
@@ -214,12 +217,19 @@ class RoundBook:
         if member.loaded:  # resumed after a preemption: its masters may be unpinned by now
             member.role = "exact"
             return 0
-        spans = trim(member.reusable, num_computed)
-        masters = {id(m): m for _, _, sources in spans for m, _ in sources}
+        spans, waiting = [], False
+        for s, n, sources in trim(member.reusable, num_computed):
+            first = sources[0][0]
+            if first.role == "master" or first.ready or (first.committed and not first.loaded):
+                spans.append((s, n, sources))
+            elif first.role == "mirror" and not first.finished:
+                waiting = True  # the piece's first holder is not admitted yet
+            # else its first holder computed it in no pass (exact, or gone): computed here
+        masters = {id(m): m for _, _, sources in spans for m, _ in sources if m.role == "master"}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
             member.role = "exact"
             return 0
-        if not all(m.ready for m in masters.values()):
+        if waiting or not all(m.ready for m in masters.values()):
             if now - member.arrived > self.hold_timeout_s:
                 member.role = "exact"
                 return 0
@@ -229,7 +239,7 @@ class RoundBook:
         if not member.spans:  # all in vLLM's prefix cache already
             member.role = "exact"
             return 0
-        end = member.spans[-1].start + member.spans[-1].length
+        end = max(member.spans[-1].start + member.spans[-1].length, member.provides_end)
         budget, count = self.claim_tokens_per_step, end - num_computed
         if budget and self.claimed_this_step and self.claimed_this_step + count > budget:
             self.counters["held_steps"] += 1
@@ -260,7 +270,9 @@ class RoundBook:
         same = {id(m): common_prefix(member.token_ids, m.token_ids) for _, _, sources in spans for m, _ in sources}
         for s, n, sources in trim(spans, history):
             (first, at), *more = sources
-            if all(ms == s and s + n <= same[id(m)] for m, ms in sources):
+            if first.role != "master" and not first.ready:  # its first holder's pass is this step's
+                out.append(ReusedSpan(s, n, first.block_ids, at, late=True))
+            elif all(ms == s and s + n <= same[id(m)] for m, ms in sources):
                 out.append(ReusedSpan(s, n, first.block_ids, s, exact=True))
             else:
                 out.append(ReusedSpan(s, n, first.block_ids, at, [(m.block_ids, ms) for m, ms in more]))
@@ -292,6 +304,8 @@ class RoundBook:
         if member.role == "mirror" and member.claim is not None and not member.loaded:
             if num_external and num_external == member.claim[1] - member.claim[0]:
                 self.claimed_this_step += num_external
+                member.committed = True
+                member.block_ids = []  # filled when its load is sent (a piece it provides is read from them)
                 self._count(member)
                 return member
             member.role = "exact"
@@ -303,16 +317,25 @@ class RoundBook:
         self.claimed_this_step = 0
 
     def loads_for(self, member: Member) -> list[ReusedSpan]:
-        """What fills a mirror's claim: its spans, by source (masters' blocks, its session's)."""
-        return member.spans
+        """What fills a mirror's claim: its spans, by source (masters' blocks, its session's, a first
+        holder's in this pass). A first holder whose blocks were not sent with it leaves its pieces
+        to be computed in the mirror's claim."""
+        return [span for span in member.spans if span.source_block_ids]
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
-        """A master's prompt is computed in this step: its blocks (to pin) are returned."""
+        """A master's prompt is computed in this step, or a first holder's pass is sent: the blocks
+        others read (to pin) are returned: all a master's, only those holding the pieces a first
+        holder provides (a round larger than the pool must not be held up by its mirrors' pins)."""
         round_, member = self.members[request_id]
         member.ready = True
         member.block_ids = list(block_ids)
-        round_.pinned.extend(block_ids)
-        return list(block_ids)
+        if member.role == "master":
+            pinned = list(block_ids)
+        else:
+            size = self.block_size
+            pinned = sorted({block_ids[i] for start, end in member.provides for i in range(start // size, (end - 1) // size + 1)})
+        round_.pinned.extend(pinned)
+        return pinned
 
     def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None,
                block_hashes: Sequence[Any] = ()) -> None:
@@ -422,15 +445,32 @@ class RoundBook:
             master.role = "master"
             for piece in master.pieces:
                 where.setdefault(piece.key, []).append((master, piece.start))
+        # A shared piece no master holds is computed by its first holder and reused by the others
+        # (a later member, so no cycle): in the first holder's pass, or the one after.
+        provided: dict[bytes, tuple[Member, int]] = {}
         for member, shared in zip(members, shared_of):
             if member.role == "master":
                 continue
             member.role = "mirror"
-            member.reusable = [(p.start, p.end - p.start, where[p.key]) for p in member.pieces
-                               if p.key in shared and p.key in where]
             member.unmastered = {key for key in shared if key not in where}
-            if not member.reusable:
-                member.role = "exact"
+            member.reusable, provides = [], []
+            for p in member.pieces:
+                if p.key not in shared:
+                    continue
+                source = where.get(p.key) or ([provided[p.key]] if p.key in provided else None)
+                if source is not None:
+                    member.reusable.append((p.start, p.end - p.start, source))
+                elif all(q.key != p.key for q in provides):
+                    provides.append(p)
+            if not member.reusable:  # nothing to reuse: computed in full, a master of what it holds
+                member.role = "master" if provides else "exact"
+                for p in provides:
+                    where[p.key] = [(member, p.start)]
+                continue
+            for p in provides:
+                provided[p.key] = (member, p.start)
+            member.provides = [(p.start, p.end) for p in provides]
+            member.provides_end = max((p.end for p in provides), default=0)
         for member in members:
             self.counters[f"members.{member.role}"] += 1
 

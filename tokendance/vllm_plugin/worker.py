@@ -11,7 +11,8 @@ For all mirrors of the step at once:
 2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
    fresh key at layer c (`reuse/selection.py`, the engine's selectors);
 3. the copy: for layers c+1.., the master's K/V of the tokens not selected, keys re-rotated to
-   the mirror's positions (with in-round anchors, the mean of every anchor's K/V, keys re-rotated
+   the mirror's positions (from a mirror of the same pass that first holds a piece no master
+   computes: in each layer of 4., after that mirror's rows are written) (with in-round anchors, the mean of every anchor's K/V, keys re-rotated
    first: `Sources`);
 4. the recompute: the selected and private tokens through layers c+1.., from their hidden states
    at layer c, attending over the fused KV.
@@ -130,6 +131,7 @@ class PassAttention(nn.Module):
         if cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and self.head_size == kernels.PREFILL_DIM:
             self.kernel = kernels.load_prefill()
         self.write_slots: torch.Tensor | None = None
+        self.after_write = None  # called with the layout once the batch's K/V are written
         self.attends: list[Attend] = []
         self.keys: torch.Tensor | None = None  # the batch's fresh keys, when `capture`
         self.capture = False
@@ -143,6 +145,8 @@ class PassAttention(nn.Module):
         if self.capture:
             self.keys = k.clone()
         self.layout.write(self.write_slots, k, v)
+        if self.after_write is not None:
+            self.after_write(self.layout)
         out = torch.empty_like(q)
         started = time.perf_counter()
         for a in self.attends:
@@ -234,18 +238,22 @@ class MirrorPass:
                 fresh = self.shims[c].keys
                 self.shims[c].capture, self.shims[c].keys = False, None
             clock.lap("check")
-            # 2. selection and 3. the copy of the sources' K/V for the tokens not selected
-            copies = self._select(loads, batch, fresh, keep)
+            # 2. selection and 3. the copy of the sources' K/V for the tokens not selected (from a
+            # mirror of this pass, layer by layer in 4., once that mirror's rows are written)
+            copies, late = self._select(loads, batch, fresh, keep)
             clock.lap("select")
+            later = range(c + 1, len(self.layers))
             if copies is not None:
-                self._copy(*copies, layers=range(c + 1, len(self.layers)))
+                self._copy(*copies, layers=later)
             clock.lap("copy")
             # 4. the recompute: selected and private tokens through the remaining layers
             rows = keep.nonzero().flatten()
-            if c + 1 < len(self.layers) and len(rows):
+            if len(later) and len(rows):
                 attends = attends_of(rows, positions, context, counts)
-                self._layers(range(c + 1, len(self.layers)), positions[rows], hidden[rows],
-                             None if residual is None else residual[rows], write[rows], attends)
+                self._layers(later, positions[rows], hidden[rows], None if residual is None else residual[rows],
+                             write[rows], attends, late)
+            elif late is not None:
+                self._copy(*late, layers=later)
             clock.lap("recompute")
         copied = sum(int(m.sum()) for m in exact)
         reused = int((~keep).sum())
@@ -277,9 +285,10 @@ class MirrorPass:
 
     def _select(self, loads, batch, fresh, keep):
         """Choose each reused span's tokens to recompute (clearing `keep` for the others) and return
-        the copy for the rest: (their `Sources`, destination slots, destination positions)."""
+        the copies for the rest, (their `Sources`, destination slots, destination positions) or
+        None: those from KV written before this pass, and those from mirrors of this pass."""
         row = 0
-        sources, dst_slots, dst_pos = [], [], []
+        sources, dst_slots, dst_pos = ([], []), ([], []), ([], [])  # (from earlier KV, from this pass)
         for load, mask in zip(loads, batch):
             row_of = row + torch.cumsum(mask.long(), 0) - 1  # claimed position -> batch row
             for span in load.spans:
@@ -299,13 +308,12 @@ class MirrorPass:
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
                 reused = ~chosen
                 keep[rows[reused]] = False
-                sources.append(held.select(reused))
-                dst_slots.append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
-                dst_pos.append(d_pos[reused])
+                sources[span.late].append(held.select(reused))
+                dst_slots[span.late].append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
+                dst_pos[span.late].append(d_pos[reused])
             row += int(mask.sum())
-        if not sources:
-            return None
-        return Sources.cat(sources), torch.cat(dst_slots), torch.cat(dst_pos)
+        return tuple(None if not sources[k] else (Sources.cat(sources[k]), torch.cat(dst_slots[k]), torch.cat(dst_pos[k]))
+                     for k in (0, 1))
 
     def _selector(self, ratio: float | None) -> Selector:
         ratio = self.recompute_ratio if ratio is None else ratio
@@ -320,17 +328,21 @@ class MirrorPass:
             layout = self.layouts[index]
             layout.write(dst_slots, *sources.read(layout, self.rotate, dst_pos))
 
-    def _layers(self, indices, positions, hidden, residual, write, attends):
+    def _layers(self, indices, positions, hidden, residual, write, attends, late=None):
+        """Run decoder layers `indices` over the batch; `late`: copies made in each layer after its
+        rows are written, before they attend (pieces their first holder computes in this batch)."""
         for index in indices:
             layer, shim = self.layers[index], self.shims[index]
             shim.write_slots, shim.attends = write, attends
+            if late is not None:
+                shim.after_write = lambda layout, late=late: layout.write(late[1], *late[0].read(layout, self.rotate, late[2]))
             attention = layer.self_attn.attn
             layer.self_attn.attn = shim
             try:
                 hidden, residual = layer(positions, hidden, residual)
             finally:
                 layer.self_attn.attn = attention
-                shim.write_slots, shim.attends = None, []
+                shim.write_slots, shim.attends, shim.after_write = None, [], None
         return hidden, residual
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
