@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokendance.model import kernels
+from tokendance.vllm_plugin.cpu_ops import fused_pointwise
 from tokendance.reuse.selection import Selector, make_selector
 from tokendance.vllm_plugin.layouts import PagedLayout
 from tokendance.vllm_plugin.plan import MirrorLoad
@@ -331,6 +332,10 @@ class MirrorPass:
     def _layers(self, indices, positions, hidden, residual, write, attends, late=None):
         """Run decoder layers `indices` over the batch; `late`: copies made in each layer after its
         rows are written, before they attend (pieces their first holder computes in this batch)."""
+        with fused_pointwise(self.layers, hidden.dtype, hidden.device):
+            return self._run_layers(indices, positions, hidden, residual, write, attends, late)
+
+    def _run_layers(self, indices, positions, hidden, residual, write, attends, late):
         for index in indices:
             layer, shim = self.layers[index], self.shims[index]
             shim.write_slots, shim.attends = write, attends
