@@ -46,16 +46,21 @@ def main() -> int:
                                                   return_dict=True)["input_ids"]) for t in turns]
 
     spent = [0.0]  # the passes' wall time (vLLM's in-process metrics reader keeps counters whole)
-    run = worker.MirrorPass.run
+    steps = worker.MirrorPass.steps
 
-    def timed(self, loads):
-        started = time.perf_counter()
-        try:
-            return run(self, loads)
-        finally:
+    def timed(self, loads):  # the time inside each of the pass's steps
+        inner = steps(self, loads)
+        while True:
+            started = time.perf_counter()
+            try:
+                cost = next(inner)
+            except StopIteration as done:
+                spent[0] += time.perf_counter() - started
+                return done.value
             spent[0] += time.perf_counter() - started
+            yield cost
 
-    worker.MirrorPass.run = timed
+    worker.MirrorPass.steps = timed
 
     def pass_seconds() -> float:
         return spent[0]

@@ -2,7 +2,9 @@
 prompts computed exactly; writes each agent's role, claimed tokens and first-token log-probs
 (both ways) as JSON. Run in a subprocess per model (vLLM keeps one engine per process well):
 
-    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json
+    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON]
+
+(SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'.)
 """
 
 import json
@@ -17,9 +19,10 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 folder, out = sys.argv[1], sys.argv[2]
+settings = {"recompute_ratio": 1.0, **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")}
 llm = LLM(model=folder, dtype="float32", max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
           block_size=32, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
-                                                             kv_connector_extra_config={"recompute_ratio": 1.0}))
+                                                             kv_connector_extra_config=settings))
 tokenizer = llm.get_tokenizer()
 names = ["Ann", "Ben", "Cal", "Dee"]
 said = "\n".join(f"[{n}]: the bridge needs {i + 2} new planks before the market, and {n} will bring rope." for i, n in enumerate(names))

@@ -208,6 +208,44 @@ def test_mirrors_that_arrive_first_wait_for_the_round_and_its_master(vllm_llm):
     assert tokens(done) == tokens(exact)
 
 
+def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
+    """Asynchronous passes: while a request decodes, the mirrors wait as vLLM's asynchronous loads
+    and their pass advances by at most `pass_tokens_per_step` per engine step, so the decoder gets a
+    token in every step the pass is in flight; once it ends the mirrors answer vLLM's exact tokens
+    (ratio 1.0)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()  # the worker side (vLLM runs in this process)
+    prompts = round_prompts(vllm_llm, 4, seed=6)
+    engine = vllm_llm.llm_engine
+    round_id = f"r{next(_ids)}"
+    engine.add_request(f"{round_id}-decoder", TokensPrompt(prompt_token_ids=prompts["agent000"][:100], cache_salt="dec"),
+                       SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    while not any(o.outputs[0].token_ids for o in engine.step()):
+        pass
+    for agent, ids in prompts.items():
+        tag = {"round_id": round_id, "round_size": 4, "agent_id": agent, "recompute_ratio": 1.0}
+        engine.add_request(f"{round_id}-{agent}", TokensPrompt(prompt_token_ids=ids, cache_salt=f"s-{agent}"),
+                           SamplingParams(temperature=0, max_tokens=8,
+                                          extra_args={"kv_transfer_params": {"tokendance": tag}}))
+    done, in_flight_steps, decoded = {}, 0, None
+    while len(done) < 4:
+        outputs = engine.step()
+        decoder = [o for o in outputs if o.request_id.endswith("-decoder")]
+        if worker.passes:  # a pass still in flight after this step: the decoder must have moved on
+            in_flight_steps += 1
+            assert decoder and len(decoder[0].outputs[0].token_ids) > (decoded or 0)
+        if decoder:
+            decoded = len(decoder[0].outputs[0].token_ids)
+        done.update({o.request_id.removeprefix(f"{round_id}-"): o for o in outputs
+                     if o.finished and not o.request_id.endswith("-decoder")})
+    engine.abort_request([f"{round_id}-decoder"])
+    assert in_flight_steps >= 2  # one pass spread over several steps
+    assert sorted(roles(done).values()) == ["master"] + ["mirror"] * 3
+    exact = generate(vllm_llm, prompts, "slicesref", max_tokens=8)
+    assert tokens(done) == tokens(exact)
+
+
 def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
     """12 agents do not fit in the pool at once: vLLM preempts (mirrors included) and the round
     still gives vLLM's exact tokens at ratio 1.0."""

@@ -7,7 +7,10 @@ KV connector. Turn it on with
 `kv_connector_extra_config`: `recompute_ratio` (0.05), `selection` ("epic"), `check_layer`
 (1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
 long a mirror waits for its masters before it is computed exactly), `claim_tokens_per_step`
-(8192: the claimed tokens one step's pass fills at most; 0 for no limit).
+(8192: the claimed tokens one step's pass fills at most; 0 for no limit), `pass_tokens_per_step`
+(256: while requests decode, the workers advance the mirrors' passes by at most this many
+full-model token equivalents per engine step, the mirrors waiting meanwhile as vLLM's
+asynchronous loads; 0: each pass runs whole before the forward of the step that admits them).
 
 Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
 computed, pins the masters' blocks (and the blocks of an agent's previous request its claim reads)
@@ -25,6 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -52,6 +56,7 @@ class Settings:
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0
     claim_tokens_per_step: int = 8192
+    pass_tokens_per_step: int = 256  # 0: synchronous passes
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
 
     @classmethod
@@ -74,7 +79,8 @@ class Settings:
 
 @dataclass
 class TokenDanceMetadata(KVConnectorMetadata):
-    loads: list[MirrorLoad] = field(default_factory=list)
+    loads: list[MirrorLoad] = field(default_factory=list)  # this step's new mirrors: one pass
+    budget: float = 0  # the passes' work this step, full-model token equivalents (0: all of it)
 
 
 @dataclass
@@ -143,11 +149,14 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.book: RoundBook | None = None
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
         self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
+        self.in_flight: dict[str, Any] = {}  # request id -> member whose pass the workers run
         self.block_pool = None
         # worker side
         self.kv_caches: dict[str, Any] = {}
         self.mirror_pass = None
         self.failed_block_ids: set[int] = set()
+        self.passes: list[tuple[list[MirrorLoad], Any]] = []  # (loads, their pass's steps), first first
+        self.filled: set[str] = set()  # mirrors whose pass ended since vLLM last asked
         self.counts_stats = role == KVConnectorRole.SCHEDULER or tensor_parallel_rank() == 0
         self.stats = TokenDanceStats()
         if role == KVConnectorRole.SCHEDULER and not self.disabled:
@@ -212,11 +221,12 @@ class TokenDanceConnector(KVConnectorBase_V1):
         count = self.book.claim(request.request_id, num_computed_tokens)
         if count:
             self._pin_session(request.request_id, self.book.find(request.request_id).session_blocks)
-        return count, False
+        return count, bool(count) and self.settings.pass_tokens_per_step > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         member = None if self.book is None else self.book.commit(request.request_id, num_external_tokens)
         if member is not None:
+            member.block_ids[:] = blocks.get_block_ids()[0]  # before any load reads a piece it provides
             self.pending[request.request_id] = member
         else:
             self._unpin_session(request.request_id)
@@ -225,25 +235,36 @@ class TokenDanceConnector(KVConnectorBase_V1):
         meta = TokenDanceMetadata()
         if self.book is None:
             return meta
-        admitted = []
-        for new in scheduler_output.scheduled_new_reqs:
-            member = self.pending.pop(new.req_id, None)
-            if member is not None:
-                member.block_ids[:] = new.block_ids[0]  # before any load reads a piece this one provides
-                admitted.append((new.req_id, member))
-        for request_id, member in admitted:
+        for request_id, member in self.pending.items():
             start, end = member.claim
             meta.loads.append(MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
                                          self.book.loads_for(member), member.tag.recompute_ratio))
             member.loaded = True
-            # the workers read the session's blocks in this step, before any later step can write them
-            self._unpin_session(request_id)
+            self.in_flight[request_id] = member
             if member.provides_end:  # pieces no master computes, which later members read from its blocks
                 self.block_pool.touch([self.block_pool.blocks[i] for i in self.book.mark_ready(request_id, member.block_ids)])
+        self.pending.clear()
+        if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
+            self._filled(list(self.in_flight))
+        elif any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
+            meta.budget = self.settings.pass_tokens_per_step  # someone decodes: advance the passes by slices
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
         self.book.next_step()
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        self._filled(connector_output.finished_recving or ())
+
+    def _filled(self, request_ids) -> None:
+        """The workers finished these mirrors' passes: the sources they read are free to go."""
+        for request_id in request_ids:
+            member = self.in_flight.pop(request_id, None)
+            if member is not None:
+                member.filled = True
+            self._unpin_session(request_id)
+        if self.book is not None:
+            self._release(self.book.releasable())
 
     def _watch_masters(self, scheduler_output) -> None:
         """Masters whose prompt is computed in this step: their blocks are pinned until the round's
@@ -272,7 +293,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
             return False, None
         member = self.book.find(request.request_id)
         self.pending.pop(request.request_id, None)
-        self._unpin_session(request.request_id)
+        if request.request_id not in self.in_flight:  # else its pass still reads them (vLLM keeps its blocks)
+            self._unpin_session(request.request_id)
         if member is None:
             return False, None
         self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
@@ -286,19 +308,39 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.kv_caches = dict(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """This step's new mirrors join the passes (one pass per step, run in order); the passes
+        advance by the step's budget, or to their end."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TokenDanceMetadata) or not meta.loads:
+        if not isinstance(meta, TokenDanceMetadata):
             return
-        try:
-            report = self._pass().run(meta.loads)
-            if self.counts_stats:
-                self.stats.aggregate(TokenDanceStats({"mirrors": len(meta.loads), "passes": 1, **report}))
-        except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
-            logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
-            if self.counts_stats:
-                self.stats.aggregate(TokenDanceStats({"failed_mirrors": len(meta.loads)}))
-            for load in meta.loads:
-                self.failed_block_ids.update(load.block_ids)
+        if meta.loads:
+            self.passes.append((meta.loads, self._pass().steps(meta.loads)))
+        spent = 0.0
+        while self.passes and (not meta.budget or spent < meta.budget):
+            loads, steps = self.passes[0]
+            try:
+                with torch.inference_mode():
+                    spent += next(steps)
+                continue
+            except StopIteration as done:
+                if self.counts_stats:
+                    self.stats.aggregate(TokenDanceStats({"mirrors": len(loads), "passes": 1, **done.value}))
+            except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
+                logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
+                if self.counts_stats:
+                    self.stats.aggregate(TokenDanceStats({"failed_mirrors": len(loads)}))
+                for load in loads:
+                    self.failed_block_ids.update(load.block_ids)
+            self.passes.pop(0)
+            self.filled.update(load.request_id for load in loads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Mirrors whose pass ended (asynchronous loads: vLLM schedules them next)."""
+        if self.settings.pass_tokens_per_step <= 0 or not self.filled:
+            self.filled.clear()
+            return None, None
+        filled, self.filled = self.filled, set()
+        return None, filled
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's passes (rank 0's: vLLM sums the ranks') or the scheduler's rounds since

@@ -108,6 +108,7 @@ class Member:
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
     claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
     loaded: bool = False  # a mirror whose load was sent to the workers
+    filled: bool = False  # ... and whose pass the workers finished
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
     num_computed: int = 0  # vLLM's own prefix hit at the latest claim
@@ -121,7 +122,11 @@ class Member:
 
     @property
     def needs_masters(self) -> bool:
-        return self.role == "mirror" and not self.loaded and not self.finished
+        """A mirror whose pass has not read its sources yet (sent to the workers and not filled,
+        even if its request ended meanwhile: the workers finish a pass they started)."""
+        if self.role != "mirror" or self.filled:
+            return False
+        return self.loaded or not self.finished
 
 
 @dataclass

@@ -199,14 +199,25 @@ class MirrorPass:
 
     # ------------------------------------------------------------ the pass
 
-    @torch.inference_mode()
     def run(self, loads: list[MirrorLoad]) -> Counter:
-        """Fill every load's claimed range. Returns what it did, as the connector's stats count it:
-        `reused_tokens` (served from masters or the mirror's session, exact copies included),
-        `computed_tokens.selected` (reused-span tokens recomputed), `computed_tokens.check` (the
-        reused tokens' layers 0..c, in full-model token equivalents), `pass_tokens` (claimed),
-        `pass_seconds.<phase>` (check, select, copy, recompute; `attention` inside check and
-        recompute)."""
+        """Fill every load's claimed range at once (`steps` to the end)."""
+        steps = self.steps(loads)
+        while True:
+            try:
+                with torch.inference_mode():
+                    next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, loads: list[MirrorLoad]):
+        """Fill every load's claimed range, one decoder layer at a time: a generator that yields
+        each layer's cost in full-model token equivalents (its rows / the layer count), so that a
+        caller can spread the pass over engine steps (run each `next` under inference mode), and
+        returns what it did, as the connector's stats count it: `reused_tokens` (served from masters
+        or the mirror's session, exact copies included), `computed_tokens.selected` (reused-span
+        tokens recomputed), `computed_tokens.check` (the reused tokens' layers 0..c, in full-model
+        token equivalents), `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy,
+        recompute; `attention` inside check and recompute; time between steps not counted)."""
         clock = PhaseClock()
         for shim in self.shims:
             shim.seconds = 0.0
@@ -235,7 +246,8 @@ class MirrorPass:
             fresh = None
             if c >= 0:
                 self.shims[c].capture = True
-                hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends)
+                hidden, residual = yield from self._layers(range(0, c + 1), positions, hidden, residual, write,
+                                                           attends, clock=clock, phase="check")
                 fresh = self.shims[c].keys
                 self.shims[c].capture, self.shims[c].keys = False, None
             clock.lap("check")
@@ -251,8 +263,9 @@ class MirrorPass:
             rows = keep.nonzero().flatten()
             if len(later) and len(rows):
                 attends = attends_of(rows, positions, context, counts)
-                self._layers(later, positions[rows], hidden[rows], None if residual is None else residual[rows],
-                             write[rows], attends, late)
+                yield from self._layers(later, positions[rows], hidden[rows],
+                                        None if residual is None else residual[rows], write[rows], attends, late,
+                                        clock=clock, phase="recompute")
             elif late is not None:
                 self._copy(*late, layers=later)
             clock.lap("recompute")
@@ -329,13 +342,11 @@ class MirrorPass:
             layout = self.layouts[index]
             layout.write(dst_slots, *sources.read(layout, self.rotate, dst_pos))
 
-    def _layers(self, indices, positions, hidden, residual, write, attends, late=None):
-        """Run decoder layers `indices` over the batch; `late`: copies made in each layer after its
-        rows are written, before they attend (pieces their first holder computes in this batch)."""
-        with fused_pointwise(self.layers, hidden.dtype, hidden.device):
-            return self._run_layers(indices, positions, hidden, residual, write, attends, late)
-
-    def _run_layers(self, indices, positions, hidden, residual, write, attends, late):
+    def _layers(self, indices, positions, hidden, residual, write, attends, late=None, *, clock, phase):
+        """Run decoder layers `indices` over the batch, yielding each layer's cost (its rows / the
+        layer count) after it; returns the last hidden state and residual. `late`: copies made in
+        each layer after its rows are written, before they attend (pieces their first holder
+        computes in this batch)."""
         for index in indices:
             layer, shim = self.layers[index], self.shims[index]
             shim.write_slots, shim.attends = write, attends
@@ -344,10 +355,14 @@ class MirrorPass:
             attention = layer.self_attn.attn
             layer.self_attn.attn = shim
             try:
-                hidden, residual = layer(positions, hidden, residual)
+                with fused_pointwise([layer], hidden.dtype, hidden.device):
+                    hidden, residual = layer(positions, hidden, residual)
             finally:
                 layer.self_attn.attn = attention
                 shim.write_slots, shim.attends, shim.after_write = None, [], None
+            clock.lap(phase)
+            yield len(positions) / len(self.layers)
+            clock.last = time.perf_counter()  # the time between steps is not the pass's
         return hidden, residual
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
