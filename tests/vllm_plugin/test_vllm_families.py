@@ -2,8 +2,8 @@
 written by transformers with that family's config class (biases in Qwen2's q/k/v, Qwen3's
 per-head q/k norms, Llama 3's scaled RoPE): at recompute ratio 1.0 a round's first-token
 log-probs equal vLLM's exact computation (each model in a vLLM of its own, in a subprocess). Qwen3's
-round runs its pass synchronously (`pass_tokens_per_step: 0`: whole, before the forward of the
-step that admits the mirrors), the others as vLLM's asynchronous loads (the default)."""
+round runs its pass as vLLM's asynchronous loads (`pass_tokens_per_step: 256`), the others
+synchronously (the default)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_ratio_one_round_matches_exact_logprobs(family, model_folder, tmp_path):
             shutil.copy(Path(model_folder) / name, folder / name)
     out = tmp_path / "round.json"
     script = Path(__file__).with_name("family_round.py")
-    settings = {"pass_tokens_per_step": 0} if family == "qwen3" else {}
+    settings = {"pass_tokens_per_step": 256} if family == "qwen3" else {}
     done = subprocess.run([sys.executable, str(script), str(folder), str(out), json.dumps(settings)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -39,6 +39,10 @@ def test_pieces_end_after_boundaries_and_at_the_end():
     pieces = cut_pieces([5, NL, 6, 7, NL, 8], {NL}, "", 6)
     assert [(p.start, p.end) for p in pieces] == [(0, 2), (2, 5), (5, 6)]
     assert cut_pieces([6, 7, NL], {NL}, "a", 3)[0].key != cut_pieces([6, 7, NL], {NL}, "b", 3)[0].key  # namespaced
+    # runs shorter than min_tokens that end at a boundary (a chat template's framing) join the piece
+    # before them; the last piece (the prompt's tail) stays as it is
+    ids = [5, 6, 7, 8, NL, NL, 9, NL, 1, 2, 3, 4, NL, 6]
+    assert [(p.start, p.end) for p in cut_pieces(ids, {NL}, "", 14, min_tokens=4)] == [(0, 8), (8, 13), (13, 14)]
 
 
 def test_tag_parsing_refuses_malformed_params():

@@ -8,9 +8,9 @@ KV connector. Turn it on with
 (1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
 long a mirror waits for its masters before it is computed exactly), `claim_tokens_per_step`
 (8192: the claimed tokens one step's pass fills at most; 0 for no limit), `pass_tokens_per_step`
-(256: while requests decode, the workers advance the mirrors' passes by at most this many
-full-model token equivalents per engine step, the mirrors waiting meanwhile as vLLM's
-asynchronous loads; 0: each pass runs whole before the forward of the step that admits them).
+(0: each pass runs whole before the forward of the step that admits its mirrors; n > 0: the
+mirrors wait as vLLM's asynchronous loads and, while requests decode, the workers advance the
+passes by at most n full-model token equivalents per engine step).
 
 Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
 computed, pins the masters' blocks (and the blocks of an agent's previous request its claim reads)
@@ -56,7 +56,8 @@ class Settings:
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0
     claim_tokens_per_step: int = 8192
-    pass_tokens_per_step: int = 256  # 0: synchronous passes
+    # >0: asynchronous passes, sliced while requests decode (measured slower on CPU: docs/vllm-plugin.md)
+    pass_tokens_per_step: int = 0
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
 
     @classmethod

@@ -142,11 +142,19 @@ class Round:
         return (self.size is not None and len(self.members) >= self.size) or now - self.opened >= timeout
 
 
-def cut_pieces(token_ids: Sequence[int], boundaries: Collection[int], namespace: str, end: int) -> list[Piece]:
-    """The prompt's tokens [0, end) in pieces, each ending after a boundary token (or at `end`)."""
+def cut_pieces(token_ids: Sequence[int], boundaries: Collection[int], namespace: str, end: int,
+               min_tokens: int = 1) -> list[Piece]:
+    """The prompt's tokens [0, end) in pieces, each ending after a boundary token (or at `end`); a
+    run shorter than `min_tokens` that ends at a boundary joins the piece before it (the chat
+    template's framing between two messages, `<|im_end|>`, a line break, `<|im_start|>user` and its
+    line break, goes with the message before it instead of standing alone as tokens no one
+    shares)."""
     pieces, start = [], 0
     for position in range(end):
-        if token_ids[position] in boundaries or position == end - 1:
+        boundary = token_ids[position] in boundaries
+        if boundary or position == end - 1:
+            if boundary and position + 1 - start < min_tokens and pieces:
+                start = pieces.pop().start
             pieces.append(Piece(start, position + 1, segment_key(token_ids[start:position + 1], namespace)))
             start = position + 1
     return pieces
@@ -193,7 +201,8 @@ class RoundBook:
                 return
             round_ = self.rounds[key] = Round(key, tag.round_size, now)
         member = Member(request_id, tag, token_ids, now, salt=salt)
-        member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1)
+        member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1,
+                                   self.min_piece_tokens)
         round_.members[request_id] = member
         self.members[request_id] = (round_, member)
         if round_.is_complete(now, self.round_timeout_s):
