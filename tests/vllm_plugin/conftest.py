@@ -13,7 +13,7 @@ import pytest
 
 BLOCK_SIZE = 32
 CHUNK = 256
-NUM_BLOCKS = 160  # 5,120 tokens: a round of 12 agents does not fit at once
+NUM_BLOCKS = 160  # 5,120 tokens: a round of 9 agents does not fit at once
 
 
 def pytest_collection_modifyitems(items):

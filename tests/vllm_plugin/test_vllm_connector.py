@@ -247,13 +247,13 @@ def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
 
 
 def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
-    """12 agents do not fit in the pool at once: vLLM preempts (mirrors included) and the round
+    """9 agents do not fit in the pool at once: vLLM preempts (mirrors included) and the round
     still gives vLLM's exact tokens at ratio 1.0."""
-    prompts = round_prompts(vllm_llm, 12, seed=5)
+    prompts = round_prompts(vllm_llm, 9, seed=5)
     before = preemptions(vllm_llm)
-    reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=96, ignore_eos=True)
+    reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=64, ignore_eos=True)
     assert preemptions(vllm_llm) > before
-    exact = generate(vllm_llm, prompts, "bigref", max_tokens=96, ignore_eos=True)
+    exact = generate(vllm_llm, prompts, "bigref", max_tokens=64, ignore_eos=True)
     assert tokens(reused) == tokens(exact)
     assert "mirror" in roles(reused).values()
 
