@@ -5,6 +5,7 @@ cache salts, which the connector leaves alone)."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -279,6 +280,15 @@ def assert_every_token_accounted(counted: dict, outputs: dict, prompts: dict) ->
 
 def preemptions(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_every_counter_on_metrics_is_documented():
+    from pathlib import Path
+
+    from tokendance.vllm_plugin.metrics import COUNTERS
+
+    documented = set(re.findall(r"vllm:tokendance_\w+_total", (Path(__file__).parents[2] / "docs" / "vllm-plugin.md").read_text()))
+    assert {f"vllm:tokendance_{name}_total" for name, _, _ in COUNTERS.values()} <= documented
 
 
 def test_selections_the_worker_cannot_rank_are_refused_at_start():
