@@ -59,7 +59,8 @@ def variants(args) -> dict[str, dict]:
 
 
 def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
-    """The report's rows. `engines_for(labelled variants)` builds fresh engines and
+    """The report's rows. `engines_for(labelled variants, warm)` builds fresh engines (warmed up
+    for the free pass, whose times the rows report; not for the forced one, which only scores) and
     `on_round(text)` reports progress; engines are dropped after each pass."""
     labels = variants(args)
     closed = args.loop == "closed"
@@ -70,7 +71,7 @@ def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
     release(engines)
     reference = free.traces["full"]
     scores = {label: ForcedScores() for label in labels if label != "full"}
-    engines = engines_for(labels)
+    engines = engines_for(labels, False)
     for r in range(args.rounds):
         history = reference.history if closed else [workload.synthetic_outputs(i) for i in range(r)]
         turns = workload.turns(r, history[:r])

@@ -67,7 +67,7 @@ def run_rounds(args) -> int:
         if fidelity_runs:
             workload = make_workload(args.workload, args.sweep_agents, seed=args.seed, order=args.order)
             results["fidelity"] = fidelity.run_fidelity(
-                loaded, workload, args, lambda variants: make_engines(loaded, workload, variants, args),
+                loaded, workload, args, lambda variants, warm=True: make_engines(loaded, workload, variants, args, warm),
                 lambda text: (bar.set_postfix_str(text), bar.update(1)))
             save()
             bar.write("\n" + report.format_noise_floor(results["fidelity"]))
@@ -94,12 +94,14 @@ def write_plots(args, results: dict, agent_counts: list[int]) -> None:
     print(f"plots in {plots}/")
 
 
-def make_engines(loaded, workload, variants: dict[str, dict], args) -> dict[str, LLM]:
-    """One engine per variant (label -> engine arguments), all over the same loaded weights."""
+def make_engines(loaded, workload, variants: dict[str, dict], args, warm: bool = True) -> dict[str, LLM]:
+    """One engine per variant (label -> engine arguments), all over the same loaded weights;
+    warmed up unless `warm` is False (engines whose times nobody reads)."""
     budget = kv_bytes(args) or kv_budget(loaded, workload, args.rounds, args.dtype)
     common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
     engines = {label: LLM(loaded, **{**common, **extra}) for label, extra in variants.items()}
-    warm_up(list(engines.values()))
+    if warm:
+        warm_up(list(engines.values()))
     return engines
 
 
