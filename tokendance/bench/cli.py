@@ -88,6 +88,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --target: send this cache_salt (one per simulation keeps simulations apart)")
     parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip each in-process engine's two untimed warm-up rounds (then the first timed round "
+                             "also pays for compiling kernels)")
 
 
 def kv_bytes(args) -> int | None:

@@ -96,11 +96,11 @@ def write_plots(args, results: dict, agent_counts: list[int]) -> None:
 
 def make_engines(loaded, workload, variants: dict[str, dict], args, warm: bool = True) -> dict[str, LLM]:
     """One engine per variant (label -> engine arguments), all over the same loaded weights;
-    warmed up unless `warm` is False (engines whose times nobody reads)."""
+    warmed up unless `warm` is False (engines whose times nobody reads) or `--no-warm-up`."""
     budget = kv_bytes(args) or kv_budget(loaded, workload, args.rounds, args.dtype)
     common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
     engines = {label: LLM(loaded, **{**common, **extra}) for label, extra in variants.items()}
-    if warm:
+    if warm and getattr(args, "warm_up", True):
         warm_up(list(engines.values()))
     return engines
 
