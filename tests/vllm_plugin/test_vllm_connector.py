@@ -282,6 +282,16 @@ def preemptions(llm) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
+def test_malformed_numeric_settings_are_refused_by_name():
+    from tokendance.vllm_plugin.connector import Settings
+
+    for name, bad in (("pass_tokens_per_step", "256"), ("pass_tokens_per_step", -1), ("claim_tokens_per_step", 1.5),
+                      ("check_layer", True), ("hold_timeout_s", "30"), ("round_timeout_s", -0.1)):
+        with pytest.raises(ValueError, match=name):
+            Settings.from_extra({name: bad})
+    assert Settings.from_extra({"pass_tokens_per_step": 256, "round_timeout_s": 1}).pass_tokens_per_step == 256
+
+
 def test_every_counter_on_metrics_is_documented():
     from pathlib import Path
 

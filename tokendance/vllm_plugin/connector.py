@@ -68,6 +68,12 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
+        for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s"):
+            value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type
+            numeric = (int,) if kind in (int, "int") else (int, float)
+            if isinstance(value, bool) or not isinstance(value, numeric) or value < 0:
+                raise ValueError(f"TokenDanceConnector: {name} must be a non-negative "
+                                 f"{'integer' if numeric == (int,) else 'number'}, got {value!r}")
         if not valid_anchors(settings.anchors):
             raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
         selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both

@@ -199,16 +199,6 @@ class MirrorPass:
 
     # ------------------------------------------------------------ the pass
 
-    def run(self, loads: list[MirrorLoad]) -> Counter:
-        """Fill every load's claimed range at once (`steps` to the end)."""
-        steps = self.steps(loads)
-        while True:
-            try:
-                with torch.inference_mode():
-                    next(steps)
-            except StopIteration as done:
-                return done.value
-
     def steps(self, loads: list[MirrorLoad]):
         """Fill every load's claimed range, one decoder layer at a time: a generator that yields
         each layer's cost in full-model token equivalents (its rows / the layer count), so that a
