@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.vllm_plugin.conftest import CHUNK
+from tests.vllm_plugin.conftest import BLOCK_SIZE, CHUNK, NUM_BLOCKS
 
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
@@ -111,6 +111,33 @@ def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(
     # ratio 1.0 the only tokens reused
     assert counted["vllm:tokendance_reused_tokens"] == counted["vllm:tokendance_reused_exact_tokens"] > 0
     assert_every_token_accounted(counted, two, second)
+
+
+def test_a_history_vllm_evicted_is_restored_from_the_session_store(vllm_llm):
+    """Round 1's members are saved into the session store as they finish; unrelated requests then
+    take the whole pool, evicting every block of round 1; round 2's mirrors read their histories
+    back from the store (exact copies: at ratio 1.0 the only tokens reused) and answer vLLM's exact
+    tokens. The store's gauges show what it holds."""
+    first = round_prompts(vllm_llm, 5, seed=6)
+    one = generate(vllm_llm, first, "store", round_id=f"r{next(_ids)}", ratio=1.0)
+    flood = round_prompts(vllm_llm, 10, seed=7)
+    assert sum(map(len, flood.values())) > NUM_BLOCKS * BLOCK_SIZE  # more than the pool: LRU evicts all
+    generate(vllm_llm, flood, "flood", max_tokens=1)
+    said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
+    second = round_prompts(vllm_llm, 5, round_index=1, history=said, seed=6)
+    before = tokendance_counters(vllm_llm)
+    two = generate(vllm_llm, second, "store", round_id=f"r{next(_ids)}", ratio=1.0)
+    counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
+    assert all(o.num_cached_tokens == o.kv_transfer_params["tokendance"]["claimed_tokens"] for o in two.values())
+    mirrors = [a for a, r in roles(two).items() if r == "mirror"]
+    assert counted["vllm:tokendance_restored_tokens"] > 100 * len(mirrors)
+    assert counted["vllm:tokendance_reused_tokens"] == counted["vllm:tokendance_reused_exact_tokens"]
+    assert counted.get(("vllm:tokendance_computed_tokens", "history"), 0) <= len(mirrors)  # the last said token
+    assert_every_token_accounted(counted, two, second)
+    gauges = tokendance_counters(vllm_llm)
+    assert gauges["vllm:tokendance_store_agents"] >= 5 and gauges["vllm:tokendance_store_bytes"] > 0
+    two_exact = generate(vllm_llm, second, "storeref")
+    assert tokens(two) == tokens(two_exact)
 
 
 def test_a_piece_no_master_holds_is_computed_once_by_its_first_holder(vllm_llm):
@@ -263,7 +290,7 @@ def tokendance_counters(llm) -> dict:
     """The connector's counters on vLLM's metrics: name, or (name, its one label's value)."""
     found = {}
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:tokendance_"):
+        if m.name.startswith("vllm:tokendance_"):  # a gauge's value is its latest
             labels = [v for k, v in m.labels.items() if k in ("reason", "phase", "role", "formed")]
             key = (m.name, labels[0]) if labels else m.name
             found[key] = found.get(key, 0) + m.value
@@ -295,10 +322,11 @@ def test_malformed_numeric_settings_are_refused_by_name():
 def test_every_counter_on_metrics_is_documented():
     from pathlib import Path
 
-    from tokendance.vllm_plugin.metrics import COUNTERS
+    from tokendance.vllm_plugin.metrics import COUNTERS, GAUGES
 
-    documented = set(re.findall(r"vllm:tokendance_\w+_total", (Path(__file__).parents[2] / "docs" / "vllm-plugin.md").read_text()))
+    documented = set(re.findall(r"vllm:tokendance_\w+", (Path(__file__).parents[2] / "docs" / "vllm-plugin.md").read_text()))
     assert {f"vllm:tokendance_{name}_total" for name, _, _ in COUNTERS.values()} <= documented
+    assert {f"vllm:tokendance_{name}" for name, _ in GAUGES.values()} <= documented
 
 
 def test_selections_the_worker_cannot_rank_are_refused_at_start():

@@ -300,6 +300,18 @@ class Pool:
         b.finish(agent, all_ids, hashes)
 
 
+def salted_first_round(pool: Pool, store=None) -> tuple[RoundBook, dict, dict]:
+    """A book over `pool` (8-token blocks) and its first round of three agents, each under its own
+    salt (its id), finished: (book, their prompts, what each said)."""
+    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=8, lookup=pool.blocks.get, store=store)
+    first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
+    run_round(b, first, salts={agent: agent for agent in first})
+    said = {agent: [300 + i, 301, 302] for i, agent in enumerate(first)}
+    for agent, ids in first.items():
+        pool.finish(b, agent, ids + said[agent])
+    return b, first, said
+
+
 def test_a_mirror_reads_its_own_history_back_exactly_from_cached_blocks():
     """Round 2 extends each agent's round-1 request: past vLLM's block-aligned hit, the history its
     cached blocks hold is one exact span (copied, no check), read from those blocks (pinned by the
@@ -307,13 +319,7 @@ def test_a_mirror_reads_its_own_history_back_exactly_from_cached_blocks():
     or once the blocks are evicted, nothing is read back."""
     for salt2, evicted in ((None, False), ("other", False), (None, True)):
         pool = Pool(block_size=8)
-        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=8, lookup=pool.blocks.get)
-        first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
-        salts = {agent: agent for agent in first}
-        run_round(b, first, salts=salts)
-        said = {agent: [300 + i, 301, 302] for i, agent in enumerate(first)}
-        for agent, ids in first.items():
-            pool.finish(b, agent, ids + said[agent])
+        b, first, said = salted_first_round(pool)
         if evicted:
             pool.blocks.clear()
         second = {agent: ids + said[agent] + [NL, *[400 + j for j in range(6)], NL, 9] for agent, ids in first.items()}

@@ -10,7 +10,9 @@ long a mirror waits for its masters before it is computed exactly), `claim_token
 (8192: the claimed tokens one step's pass fills at most; 0 for no limit), `pass_tokens_per_step`
 (0: each pass runs whole before the forward of the step that admits its mirrors; n > 0: the
 mirrors wait as vLLM's asynchronous loads and, while requests decode, the workers advance the
-passes by at most n full-model token equivalents per engine step).
+passes by at most n full-model token equivalents per engine step), `store_gib` (0: the session
+store's budget; > 0: every round member's KV is kept at rest in Master-Mirror form in the
+workers' memory, and read back where vLLM's prefix cache lost it: `store.py`).
 
 Scheduler side (engine core): the round book (`rounds.py`) holds mirrors until their masters are
 computed, pins the masters' blocks (and the blocks of an agent's previous request its claim reads)
@@ -33,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -42,6 +45,7 @@ from tokendance.reuse.selection import SCORES, make_selector
 from tokendance.vllm_plugin import handoff
 from tokendance.vllm_plugin.plan import MirrorLoad
 from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.store import SaveOrder, SessionStore, StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -59,6 +63,7 @@ class Settings:
     # >0: asynchronous passes, sliced while requests decode (measured slower on CPU: docs/vllm-plugin.md)
     pass_tokens_per_step: int = 0
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
+    store_gib: float = 0.0  # the session store's budget (0: no store)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -68,7 +73,8 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
-        for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s"):
+        for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s",
+                     "store_gib"):
             value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type
             numeric = (int,) if kind in (int, "int") else (int, float)
             if isinstance(value, bool) or not isinstance(value, numeric) or value < 0:
@@ -88,6 +94,19 @@ class Settings:
 class TokenDanceMetadata(KVConnectorMetadata):
     loads: list[MirrorLoad] = field(default_factory=list)  # this step's new mirrors: one pass
     budget: float = 0  # the passes' work this step, full-model token equivalents (0: all of it)
+    saves: list[SaveOrder] = field(default_factory=list)  # finished requests' KV into the store, first
+    drops: list[str] = field(default_factory=list)  # store entries to forget, after the saves
+
+
+@dataclass
+class StoreReport(KVConnectorWorkerMetadata):
+    """The workers' store after a step: each new entry's own bytes and the store's total."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    total_bytes: int = 0
+
+    def aggregate(self, other: "StoreReport") -> "StoreReport":  # ranks hold the same entries
+        return self
 
 
 @dataclass
@@ -130,6 +149,13 @@ def unsupported_reason(vllm_config) -> str | None:
     return None
 
 
+def kv_bytes_per_token(vllm_config) -> int:
+    """Bytes of K and V one token holds across the model's layers (one rank's heads)."""
+    model = vllm_config.model_config
+    return (2 * model.get_num_layers(vllm_config.parallel_config) * model.get_num_kv_heads(vllm_config.parallel_config)
+            * model.get_head_size() * model.dtype.itemsize)
+
+
 def tensor_parallel_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -157,13 +183,20 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
         self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
         self.in_flight: dict[str, Any] = {}  # request id -> member whose pass the workers run
+        self.store_pins: dict[str, str] = {}  # request id -> the store entry its claim reads
         self.block_pool = None
+        self.store_index = None
+        if role == KVConnectorRole.SCHEDULER and not self.disabled and self.settings.store_gib > 0:
+            self.store_index = StoreIndex(int(self.settings.store_gib * 2**30), kv_bytes_per_token(vllm_config))
         # worker side
         self.kv_caches: dict[str, Any] = {}
         self.mirror_pass = None
         self.failed_block_ids: set[int] = set()
         self.passes: list[tuple[list[MirrorLoad], Any]] = []  # (loads, their pass's steps), first first
         self.filled: set[str] = set()  # mirrors whose pass ended since vLLM last asked
+        self.store: SessionStore | None = None
+        self.saved: dict[str, int] = {}  # entries saved since vLLM last asked -> their own bytes
+        self.store_changed = False
         self.counts_stats = role == KVConnectorRole.SCHEDULER or tensor_parallel_rank() == 0
         self.stats = TokenDanceStats()
         if role == KVConnectorRole.SCHEDULER and not self.disabled:
@@ -179,7 +212,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
             boundaries = handoff.boundary_token_ids(self._vllm_config.model_config)
             self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s,
                                   self.settings.claim_tokens_per_step, anchors=self.settings.anchors,
-                                  block_size=self.block_size, lookup=self._cached_block)
+                                  block_size=self.block_size, lookup=self._cached_block,
+                                  store=self.store_index)
         return self.book
 
     def _cached_block(self, block_hash) -> int | None:
@@ -204,6 +238,9 @@ class TokenDanceConnector(KVConnectorBase_V1):
 
     def _unpin_session(self, request_id: str) -> None:
         self._release(self.session_pins.pop(request_id, []))
+        entry = self.store_pins.pop(request_id, None)
+        if entry is not None:
+            self.store_index.unpin(entry)
 
     def on_new_request(self, request) -> None:
         if self.disabled:
@@ -227,7 +264,11 @@ class TokenDanceConnector(KVConnectorBase_V1):
             return 0, False
         count = self.book.claim(request.request_id, num_computed_tokens)
         if count:
-            self._pin_session(request.request_id, self.book.find(request.request_id).session_blocks)
+            member = self.book.find(request.request_id)
+            self._pin_session(request.request_id, member.session_blocks)
+            if member.store_entry is not None:
+                self.store_index.pin(member.store_entry)
+                self.store_pins[request.request_id] = member.store_entry
         return count, bool(count) and self.settings.pass_tokens_per_step > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -258,10 +299,20 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self._watch_masters(scheduler_output)
         self._release(self.book.releasable())
         self.book.next_step()
+        if self.store_index is not None:
+            meta.saves, meta.drops = self.store_index.take_orders()
         return meta
 
     def update_connector_output(self, connector_output) -> None:
         self._filled(connector_output.finished_recving or ())
+        if self.store_index is not None:
+            report = connector_output.kv_connector_worker_meta
+            self.store_index.reported(connector_output.finished_sending or (),
+                                      report.sizes if isinstance(report, StoreReport) else {},
+                                      report.total_bytes if isinstance(report, StoreReport) else None)
+
+    def has_pending_push_work(self) -> bool:
+        return self.store_index is not None and self.store_index.busy
 
     def _filled(self, request_ids) -> None:
         """The workers finished these mirrors' passes: the sources they read are free to go."""
@@ -307,7 +358,20 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
         self._release(self.book.releasable())
         claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
-        return False, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
+        saving = self._save(request, member, block_ids)
+        return saving, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
+
+    def _save(self, request, member, block_ids: list[int]) -> bool:
+        """Keep a finished member's KV in the store (its blocks held until the workers copied
+        them); not a mirror whose pass is still running, nor one the store cannot name."""
+        length = min(request.num_computed_tokens, len(block_ids) * self.block_size)
+        if (self.store_index is None or not member.salt or length <= 0
+                or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
+            return False
+        pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
+        self.store_index.save((member.tag.namespace, member.tag.agent_id), member.salt,
+                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id)
+        return True
 
     # ------------------------------------------------------------ worker side
 
@@ -320,6 +384,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, TokenDanceMetadata):
             return
+        if meta.saves or meta.drops:
+            self._store_work(meta.saves, meta.drops)
         if meta.loads:
             self.passes.append((meta.loads, self._pass().steps(meta.loads)))
         spent = 0.0
@@ -341,19 +407,58 @@ class TokenDanceConnector(KVConnectorBase_V1):
             self.passes.pop(0)
             self.filled.update(load.request_id for load in loads)
 
+    def _store_work(self, saves: list[SaveOrder], drops: list[str]) -> None:
+        """Copy finished requests' KV into the store, then forget the entries dropped."""
+        store = self._store()
+        before, agents = store.nbytes, len(store.sessions)
+        for order in saves:
+            try:
+                slots = self._pass()._slots(order.block_ids, 0, order.length)
+                layouts = self._pass().layouts
+                store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces)
+                self.saved[order.entry] = store.sessions[order.entry].nbytes
+            except Exception:  # never fatal: the agent's next request computes what it lacks
+                logger.exception("TokenDanceConnector: saving request %s into the store failed", order.entry)
+                store.drop(order.entry)
+                self.saved[order.entry] = -1
+        for entry in drops:
+            store.drop(entry)
+        self.store_changed = True
+        if self.counts_stats:
+            self.stats.aggregate(TokenDanceStats({"store_bytes": store.nbytes - before,
+                                                  "store_agents": len(store.sessions) - agents}))
+
+    def _store(self) -> SessionStore:
+        if self.store is None:
+            self.store = SessionStore(len(self._pass().layouts), self._pass().rotate)
+            self._pass().store = self.store
+        return self.store
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Mirrors whose pass ended (asynchronous loads: vLLM schedules them next)."""
+        """Requests whose KV the store took (vLLM frees their blocks now); mirrors whose pass ended
+        (asynchronous loads: vLLM schedules them next)."""
+        sent = set(self.saved) or None
         if self.settings.pass_tokens_per_step <= 0 or not self.filled:
             self.filled.clear()
-            return None, None
+            return sent, None
         filled, self.filled = self.filled, set()
-        return None, filled
+        return sent, filled
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The store's sizes after this step's saves (the scheduler side's budget reads them)."""
+        if not self.store_changed:
+            return None
+        report = StoreReport(dict(self.saved), self.store.nbytes)
+        self.saved, self.store_changed = {}, False
+        return report
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's passes (rank 0's: vLLM sums the ranks') or the scheduler's rounds since
         the last call; vLLM adds the two up before they reach its loggers and `/metrics`."""
         if self.book is not None:
             self.stats.aggregate(TokenDanceStats(self.book.take_counters()))
+        if self.store_index is not None:
+            self.stats.aggregate(TokenDanceStats(self.store_index.take_counters()))
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, TokenDanceStats()

@@ -2,7 +2,8 @@
 
 The stats reach here as one flat dict per engine step (`TokenDanceStats.data`: the workers' passes,
 rank 0's only, plus the scheduler side's rounds); a key `name.label` is counter `name` with that
-label value. Every counter is a running total since the server started."""
+label value. Every counter is a running total since the server started; the gauges (the session
+store's size) move by the changes the stats carry."""
 
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
                                                      "token equivalents)"),
     "pass_seconds": ("pass_seconds", "phase", "seconds in the workers' passes, by phase (check, select, copy, "
                                               "recompute; attention is part of check and recompute)"),
+    "restored_tokens": ("restored_tokens", None, "claimed tokens of the agent's own history read back from the "
+                                                 "session store (gone from vLLM's prefix cache)"),
+    "store_saves": ("store_saves", None, "finished requests whose KV the session store took"),
+    "store_evictions": ("store_evictions", None, "agents the session store let go to stay within store_gib"),
+}
+# stats key -> (gauge name, help): the stats carry their changes
+GAUGES: dict[str, tuple[str, str]] = {
+    "store_bytes": ("store_bytes", "bytes the session store holds (masters, diffs, own rows)"),
+    "store_agents": ("store_agents", "agents the session store holds"),
 }
 LABEL_OF = {"rounds_complete": "complete", "rounds_timed_out": "timeout"}
 
@@ -59,10 +69,18 @@ class TokenDancePromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:tokendance_{name}", documentation=documentation,
                 labelnames=self._labelnames + ([label] if label else []))
         self.labels = {name: label for name, label, _ in COUNTERS.values()}
+        self.gauges = {key: self._gauge_cls(name=f"vllm:tokendance_{name}", documentation=documentation,
+                                            labelnames=self._labelnames, multiprocess_mode="mostrecent")
+                       for key, (name, documentation) in GAUGES.items()}
+        self.levels: dict[tuple[str, int], float] = {}  # (gauge key, engine) -> its level
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
+            if key in self.gauges and value:
+                self.levels[key, engine_idx] = self.levels.get((key, engine_idx), 0) + value
+                self.gauges[key].labels(*engine).set(self.levels[key, engine_idx])
+                continue
             stat, label_value = split_key(key)
             if stat not in COUNTERS or not value:
                 continue

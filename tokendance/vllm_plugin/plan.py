@@ -1,5 +1,6 @@
 """What the scheduler side tells the worker side each step: the mirrors whose claimed range the
-worker fills before vLLM's forward (plain data, pickled from the engine core to the workers)."""
+worker fills before vLLM's forward, and the session store's saves and drops (plain data, pickled
+from the engine core to the workers)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class ReusedSpan:
     exact: bool = False  # the same tokens at the same positions after the same prefix: copied as is
     recalled: bool = False  # from the mirror's own session (its previous request), not a master
     late: bool = False  # from another mirror of the same pass (its first holder): copied layer by layer
+    stored: str | None = None  # from this entry of the session store (`store.py`), not from blocks
 
     @property
     def sources(self) -> list[tuple[list[int], int]]:

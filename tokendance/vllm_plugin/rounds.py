@@ -30,6 +30,7 @@ from typing import Any
 from tokendance.reuse.planning import MAX_ANCHORS, choose_anchors, valid_anchors
 from tokendance.reuse.segments import segment_key
 from tokendance.vllm_plugin.plan import ReusedSpan
+from tokendance.vllm_plugin.store import StoreIndex
 
 
 class RoundParamsError(ValueError):
@@ -119,6 +120,7 @@ class Member:
     committed: bool = False  # vLLM allocated its claim (its pass runs in this step or ran before)
     spans: list[ReusedSpan] = field(default_factory=list)  # a mirror's claim: what fills it, by source
     session_blocks: list[int] = field(default_factory=list)  # its session's blocks the claim reads
+    store_entry: str | None = None  # the session store's entry the claim reads
 
     @property
     def needs_masters(self) -> bool:
@@ -166,12 +168,14 @@ class RoundBook:
 
     def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
                  claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1,
-                 block_size: int = 16, lookup: Callable[[Any], int | None] | None = None):
+                 block_size: int = 16, lookup: Callable[[Any], int | None] | None = None,
+                 store: StoreIndex | None = None):
         self.boundaries = boundaries
         self.block_size = block_size
         # A block hash -> the id of the block vLLM's prefix cache holds for it, or None (None: no
         # session is read back).
         self.lookup = lookup
+        self.store = store  # agents at rest outside the pool (None: no store)
         self.anchors = anchors  # a round's, unless its first member's tag says otherwise
         # At most this many claimed tokens are admitted in one step (0: no limit): the workers fill
         # a large round's mirrors over several steps, and the first ones decode meanwhile.
@@ -257,7 +261,7 @@ class RoundBook:
         budget, count = self.claim_tokens_per_step, end - num_computed
         if budget and self.claimed_this_step and self.claimed_this_step + count > budget:
             self.counters["held_steps"] += 1
-            member.spans, member.session_blocks = [], []
+            member.spans, member.session_blocks, member.store_entry = [], [], None
             return None  # this step's pass is full: a later step fills this mirror
         member.claim = (num_computed, end)
         return count
@@ -281,6 +285,13 @@ class RoundBook:
                 history = min(limit, (history // self.block_size + 1) * self.block_size)
             if history > start:
                 out.append(ReusedSpan(start, history - start, cached, start, exact=True))
+        member.store_entry = None
+        stored = None if self.store is None else self.store.find((member.tag.namespace, member.tag.agent_id), member.salt)
+        if stored is not None:  # the rest of its history, gone from the pool, from the session store
+            limit = min(common_prefix(member.token_ids, stored.token_ids), len(member.token_ids) - 1)
+            if limit > history:
+                out.append(ReusedSpan(history, limit - history, [], history, exact=True, stored=stored.entry))
+                member.store_entry, history = stored.entry, limit
         same = {id(m): common_prefix(member.token_ids, m.token_ids) for _, _, sources in spans for m, _ in sources}
         for s, n, sources in trim(spans, history):
             (first, at), *more = sources
@@ -296,11 +307,14 @@ class RoundBook:
                 was = session.pieces.get(p.key)
                 n = p.end - p.start
                 if (was is None or p.start < history or n < self.min_piece_tokens
-                        or any(overlap(p.start, p.end, a, b) for a, b in taken)
-                        or not all(b >= 0 for b in cached[was // self.block_size:(was + n - 1) // self.block_size + 1])
-                        or (was + n - 1) // self.block_size >= len(cached)):
+                        or any(overlap(p.start, p.end, a, b) for a, b in taken)):
                     continue
-                out.append(ReusedSpan(p.start, n, cached, was, recalled=True))
+                if ((was + n - 1) // self.block_size < len(cached)
+                        and all(b >= 0 for b in cached[was // self.block_size:(was + n - 1) // self.block_size + 1])):
+                    out.append(ReusedSpan(p.start, n, cached, was, recalled=True))
+                elif stored is not None and stored.token_ids[was:was + n] == member.token_ids[p.start:p.end]:
+                    out.append(ReusedSpan(p.start, n, [], was, recalled=True, stored=stored.entry))
+                    member.store_entry = stored.entry
         out.sort(key=lambda r: r.start)
         used = {cached[b] for r in out if r.source_block_ids is cached
                 for b in range(r.source_start // self.block_size, (r.source_start + r.length - 1) // self.block_size + 1)}
@@ -334,7 +348,7 @@ class RoundBook:
         """What fills a mirror's claim: its spans, by source (masters' blocks, its session's, a first
         holder's in this pass). A first holder whose blocks were not sent with it leaves its pieces
         to be computed in the mirror's claim."""
-        return [span for span in member.spans if span.source_block_ids]
+        return [span for span in member.spans if span.source_block_ids or span.stored is not None]
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
         """A master's prompt is computed in this step, or a first holder's pass is sent: the blocks
@@ -438,6 +452,7 @@ class RoundBook:
             self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master - recalled
         self.counters["reused_exact_tokens"] += sum(r.length for r in member.spans if r.exact)
         self.counters["recalled_tokens"] += sum(r.length for r in member.spans if r.recalled)
+        self.counters["restored_tokens"] += sum(r.length for r in member.spans if r.stored)
         self.counters["claimed_tokens"] += member.claim[1] - member.claim[0]
 
     def _plan(self, round_: Round) -> None:
@@ -508,7 +523,8 @@ def merge(spans: list[ReusedSpan]) -> list[ReusedSpan]:
     for span in spans:
         last = out[-1] if out else None
         if (last is not None and last.start + last.length == span.start and last.exact == span.exact
-                and last.recalled == span.recalled and len(last.sources) == len(span.sources)
+                and last.recalled == span.recalled and last.stored == span.stored
+                and len(last.sources) == len(span.sources)
                 and all(a is b and at + last.length == bt for (a, at), (b, bt) in zip(last.sources, span.sources))):
             last.length += span.length
         else:

@@ -4,8 +4,8 @@ for the pass by `PassAttention`: exact causal limits over each mirror's paged KV
 
 For all mirrors of the step at once:
 0. exact spans (the same tokens at the same positions after the same prefix: an agent's own
-   history past vLLM's block-aligned hit, a master's identical system prompt) copied in every
-   layer; the other claimed tokens go through 1-4;
+   history past vLLM's block-aligned hit, from blocks or from the session store, a master's
+   identical system prompt) copied in every layer; the other claimed tokens go through 1-4;
 1. the check pass: layers 0..c over every claimed token, exactly (their KV is written as is);
    none for a selection that ranks nothing (EPIC: each span's first tokens), c = -1 then;
 2. selection: each reused span's tokens by how far the master's key, re-rotated, is from the
@@ -196,6 +196,8 @@ class MirrorPass:
         self.selection, self.recompute_ratio = selection, recompute_ratio
         self.selectors: dict[float, Selector] = {}
         self.check_layer = min(check_layer, len(self.layers) - 1)
+        self.store = None  # the session store (`store.py`) that stored spans read, where there is one
+        self.restored: dict = {}
 
     # ------------------------------------------------------------ the pass
 
@@ -213,8 +215,10 @@ class MirrorPass:
             shim.seconds = 0.0
         device = self.layouts[0].cache.device
         context = [self._slots(load.block_ids, 0, load.end) for load in loads]
+        # a selection that ranks nothing (EPIC: each span's first tokens) needs no check pass
+        c = self.check_layer if self._selector(None).needs_check_pass else -1
         # 0. exact spans copied in every layer; the pass computes the other rows (`batch`)
-        exact = self._copy_exact(loads, context)
+        exact = self._copy_exact(loads, context, c)
         batch = [~mask for mask in exact]
         counts = [int(m.sum()) for m in batch]
         ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
@@ -222,8 +226,6 @@ class MirrorPass:
         write = torch.cat([slots[load.start:][m] for load, slots, m in zip(loads, context, batch)])
         clock.lap("copy")
         keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
-        # a selection that ranks nothing (EPIC: each span's first tokens) needs no check pass
-        c = self.check_layer if self._selector(None).needs_check_pass else -1
         if len(ids):
             embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
             hidden, residual = embed(ids), None
@@ -269,22 +271,40 @@ class MirrorPass:
         report["pass_seconds.attention"] = sum(shim.seconds for shim in self.shims)
         return report
 
-    def _copy_exact(self, loads, context) -> list[torch.Tensor]:
+    def _copy_exact(self, loads, context, check_layer: int) -> list[torch.Tensor]:
         """Copy every exact span's K/V, all layers, as is (same tokens, same positions, same
-        prefix); per load, the mask of its claimed positions so filled."""
-        masks, src, dst = [], [], []
+        prefix); per load, the mask of its claimed positions so filled. A moved piece read from
+        the session store is staged as it was held in its destination's layers after the check
+        layer (the copy re-rotates it there)."""
+        masks, src, dst, stored = [], [], [], []
         for load, slots in zip(loads, context):
             mask = torch.zeros(len(load.token_ids), dtype=torch.bool)
             for span in load.spans:
+                to = slots[span.start:span.start + span.length]
+                if span.stored is not None:  # from the session store, as the agent held it
+                    stored.append((span.stored, span.source_start, span.source_start + span.length, to,
+                                   0 if span.exact else check_layer + 1))
                 if span.exact:
                     mask[span.start - load.start:span.start - load.start + span.length] = True
+                    if span.stored is not None:
+                        continue
                     src.append(self._slots(span.source_block_ids, span.source_start, span.source_start + span.length))
-                    dst.append(slots[span.start:span.start + span.length])
+                    dst.append(to)
             masks.append(mask.to(slots.device))
-        if src:
-            src_slots, dst_slots = torch.cat(src), torch.cat(dst)
-            for layout in self.layouts:
+        if stored and self.store is None:
+            raise RuntimeError("a claim reads the session store, which this worker does not have")
+        self.restored = {}  # (entry, start, end) -> its rows, every layer: read once per pass
+        for entry, start, end, to, _ in stored:
+            self.restored[entry, start, end] = tuple(rows.to(to.device) for rows in self.store.rows(entry, start, end))
+        src_slots = torch.cat(src) if src else None
+        dst_slots = torch.cat(dst) if dst else None
+        for index, layout in enumerate(self.layouts):
+            if src_slots is not None:
                 layout.write(dst_slots, *layout.read(src_slots))
+            for entry, start, end, to, first in stored:
+                if index >= first:
+                    keys, values = self.restored[entry, start, end]
+                    layout.write(to, keys[:, index], values[:, index])
         return masks
 
     def _select(self, loads, batch, fresh, keep):
@@ -300,13 +320,19 @@ class MirrorPass:
                     continue
                 offsets = torch.arange(span.length)
                 weight = torch.full((span.length,), 1 / len(span.sources), device=keep.device)
-                held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in span.sources],
+                # a stored piece was staged in its destination (`_copy_exact`): read back from there
+                origins = [(load.block_ids, span.start)] if span.stored is not None else span.sources
+                held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in origins],
                                [offsets + start for _, start in span.sources], [weight] * len(span.sources))
                 d_pos = offsets + span.start
                 rows = row_of[span.start - load.start + offsets]
                 deviation = None
                 if fresh is not None:
-                    cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
+                    if span.stored is not None:  # its check layer holds fresh KV now: read the store
+                        keys = self.restored[span.stored, span.source_start, span.source_start + span.length][0]
+                        cached = self.rotate(keys[:, self.check_layer], held.positions[0], d_pos)
+                    else:
+                        cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
                     deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
                 chosen = torch.zeros(span.length, dtype=torch.bool)
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True

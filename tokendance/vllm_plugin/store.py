@@ -1,0 +1,295 @@
+"""Master-Mirror storage of agents at rest, outside vLLM's pool (`store_gib`).
+
+vLLM 0.32 cannot map one block into two requests' tables at different positions, so an agent that
+is running holds dense KV in the pool. Between its turns it need not: when an agent's request
+finishes, its KV (prompt and output) is copied here in Master-Mirror form, and when its next
+request finds its history gone from vLLM's prefix cache, the claim reads it back from here
+instead of recomputing it.
+
+- `SessionStore` (worker side, torch): one master copy of each shared piece, keyed by the piece
+  (its tokens and namespace, wherever it sits), made from the first agent saved that holds it; per
+  agent (an entry, named by the request that saved it), which piece sits at which of its
+  positions, its own rows (what no piece covers: private text, its output) and, per layer, the rows
+  of its pieces that differ from the master re-rotated to its positions (the tokens its mirror
+  pass recomputed, the check layers, another master's encoding). A restore re-rotates the master
+  rows and overlays the diff rows: bit for bit the KV the agent held.
+- `StoreIndex` (scheduler side, plain Python): which agents are stored under which salt, their
+  bytes as the workers report them, pins (an entry is read by a claim in flight), and the
+  least-recently-used evictions that keep the store within its budget. The scheduler decides,
+  the workers execute, so every worker holds the same entries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# keys [N, H, D] cached at positions src [N] -> as computed at positions dst [N]
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class MasterPiece:
+    """A shared piece's K/V in every layer ([n, L, H, D] each: token-major, so one re-rotation
+    moves all layers), computed at `positions` [n]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    holders: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class StoredSession:
+    """One agent's KV at positions [0, length): `refs` (piece key, start, length) read from masters;
+    `own_positions` [m] with `own_keys`/`own_values` [m, L, H, D]; `diff_index` [d, 2] (position,
+    layer) inside refs with `diff_keys`/`diff_values` [d, H, D] overriding the masters'."""
+
+    length: int
+    refs: list[tuple[bytes, int, int]]
+    own_positions: torch.Tensor
+    own_keys: torch.Tensor
+    own_values: torch.Tensor
+    diff_index: torch.Tensor
+    diff_keys: torch.Tensor
+    diff_values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Its own bytes (the masters it reads are counted once, by the store)."""
+        return self.own_keys.nbytes + self.own_values.nbytes + self.diff_keys.nbytes + self.diff_values.nbytes
+
+
+class SessionStore:
+    """Agents' KV at rest in the worker's memory; `rotate` moves keys between positions with the
+    model's RoPE (any number of heads: all layers' heads at once)."""
+
+    def __init__(self, num_layers: int, rotate: Rotate, min_piece_tokens: int = 4):
+        self.num_layers = num_layers
+        self.rotate = rotate
+        self.min_piece_tokens = min_piece_tokens
+        self.masters: dict[bytes, MasterPiece] = {}
+        self.sessions: dict[str, StoredSession] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.masters.values()) + sum(s.nbytes for s in self.sessions.values())
+
+    def _moved(self, master: MasterPiece, rows: slice, at: torch.Tensor) -> torch.Tensor:
+        """The master's keys of `rows`, every layer, re-rotated to positions `at`."""
+        keys = master.keys[rows]
+        n, layers, heads, dim = keys.shape
+        return self.rotate(keys.reshape(n, layers * heads, dim), master.positions[rows], at).view(n, layers, heads, dim)
+
+    def save(self, entry: str, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], length: int,
+             pieces: Sequence[tuple[bytes, int, int]]) -> int:
+        """Store an agent's KV: `read(layer)` gives its rows [0, length) ([length, H, D] keys and
+        values); `pieces` (key, start, end) are its prompt's pieces. Returns the bytes it added."""
+        before = self.nbytes
+        self.drop(entry)
+        layers = [read(index) for index in range(self.num_layers)]
+        keys = torch.stack([k for k, _ in layers], dim=1)  # [length, L, H, D]
+        values = torch.stack([v for _, v in layers], dim=1)
+        del layers
+        covered = torch.zeros(length, dtype=torch.bool)
+        changed = torch.zeros(length, self.num_layers, dtype=torch.bool)  # (position, layer) unlike the master
+        refs = []
+        for key, start, end in pieces:
+            end = min(end, length)
+            if end - start < self.min_piece_tokens or covered[start:end].any():
+                continue
+            master = self.masters.get(key)
+            if master is None:  # the first agent saved that holds this piece is its master
+                master = self.masters[key] = MasterPiece(keys[start:end].clone(), values[start:end].clone(),
+                                                         torch.arange(start, end))
+            elif len(master.positions) != end - start:  # a key collision would be a wrong block: never reuse it
+                continue
+            else:
+                moved = self._moved(master, slice(None), torch.arange(start, end))
+                changed[start:end] = ((moved != keys[start:end]).flatten(2).any(2)
+                                      | (master.values != values[start:end]).flatten(2).any(2))
+            master.holders += 1
+            refs.append((key, start, end - start))
+            covered[start:end] = True
+        own = (~covered).nonzero().flatten()
+        diff = changed.nonzero()  # [d, 2]: position, layer
+        self.sessions[entry] = StoredSession(length, refs, own, keys[own], values[own], diff,
+                                             keys[diff[:, 0], diff[:, 1]], values[diff[:, 0], diff[:, 1]])
+        return self.nbytes - before
+
+    def rows(self, entry: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An agent's keys and values at its positions [start, end), every layer ([n, L, H, D]
+        each), as it held them."""
+        session = self.sessions[entry]
+        if not 0 <= start <= end <= session.length:
+            raise IndexError(f"rows [{start}, {end}) outside the stored {session.length}")
+        shape = session.own_keys.shape[1:]
+        keys = session.own_keys.new_empty((end - start, *shape))
+        values = session.own_values.new_empty((end - start, *shape))
+        own = session.own_positions
+        mine = (own >= start) & (own < end)
+        keys[own[mine] - start] = session.own_keys[mine]
+        values[own[mine] - start] = session.own_values[mine]
+        for key, at, n in session.refs:
+            lo, hi = max(at, start), min(at + n, end)
+            if lo >= hi:
+                continue
+            master = self.masters[key]
+            keys[lo - start:hi - start] = self._moved(master, slice(lo - at, hi - at), torch.arange(lo, hi))
+            values[lo - start:hi - start] = master.values[lo - at:hi - at]
+        position, layer = session.diff_index[:, 0], session.diff_index[:, 1]
+        mine = (position >= start) & (position < end)
+        keys[position[mine] - start, layer[mine]] = session.diff_keys[mine]
+        values[position[mine] - start, layer[mine]] = session.diff_values[mine]
+        return keys, values
+
+    def drop(self, entry: str) -> int:
+        """Forget an agent's entry (and every master no entry reads any more); the bytes freed."""
+        session = self.sessions.pop(entry, None)
+        if session is None:
+            return 0
+        freed = session.nbytes
+        for key, _, _ in session.refs:
+            master = self.masters[key]
+            master.holders -= 1
+            if master.holders == 0:
+                freed += self.masters.pop(key).nbytes
+        return freed
+
+
+@dataclass
+class StoredAgent:
+    """What the scheduler knows of an agent's entry: the request that saved it (its name in the
+    workers' store), its salt, the tokens it holds KV for, its bytes (reported by the workers; the
+    dense size until then) and pins (claims in flight reading it)."""
+
+    entry: str
+    salt: str | None
+    token_ids: list[int]
+    nbytes: int
+    saved: bool = False  # the workers hold it (they reported the save)
+    pins: int = 0
+    current: bool = True  # its agent's latest entry (else dropped once unpinned)
+
+
+@dataclass
+class SaveOrder:
+    """Copy a finished request's KV (its positions [0, length) in `block_ids`) into the store."""
+
+    entry: str
+    block_ids: list[int]
+    length: int
+    pieces: list[tuple[bytes, int, int]] = field(default_factory=list)
+
+
+class StoreIndex:
+    """The scheduler's view of the store: one current entry per agent ((namespace, agent id)),
+    older entries kept while a claim reads them, least recently used first out."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int):
+        self.budget_bytes = budget_bytes
+        self.bytes_per_token = bytes_per_token
+        self.latest: OrderedDict[tuple[str, str], StoredAgent] = OrderedDict()
+        self.entries: dict[str, StoredAgent] = {}  # every entry the workers hold or will hold
+        self.orders: list[SaveOrder] = []  # saves not sent to the workers yet
+        self.drops: list[str] = []  # entries to forget, not sent yet
+        self.sending: set[str] = set()  # saves sent, not reported done
+        self.total_bytes = 0  # as the workers last reported (plus estimates of saves not reported)
+        self.counters: dict[str, int] = {}
+
+    def save(self, agent: tuple[str, str], salt: str | None, token_ids: list[int], block_ids: list[int],
+             pieces: list[tuple[bytes, int, int]], entry: str) -> None:
+        """A request of `agent` finished: its KV replaces the agent's entry once saved."""
+        old = self.latest.pop(agent, None)
+        if old is not None:
+            self._retire(old)
+        stored = StoredAgent(entry, salt, list(token_ids), len(token_ids) * self.bytes_per_token)
+        self.latest[agent] = self.entries[entry] = stored
+        self.total_bytes += stored.nbytes
+        self.orders.append(SaveOrder(entry, list(block_ids), len(token_ids), pieces))
+
+    def find(self, agent: tuple[str, str], salt: str | None) -> StoredAgent | None:
+        """The agent's saved entry under this salt (a hit refreshes it), or None."""
+        stored = self.latest.get(agent)
+        if stored is None or not stored.saved or stored.salt != salt:
+            return None
+        self.latest.move_to_end(agent)
+        return stored
+
+    def pin(self, entry: str) -> None:
+        self.entries[entry].pins += 1
+
+    def unpin(self, entry: str) -> None:
+        stored = self.entries.get(entry)
+        if stored is None:
+            return
+        stored.pins -= 1
+        if stored.pins == 0 and not stored.current:
+            self._retire(stored)
+
+    def take_counters(self) -> dict[str, int]:
+        counters, self.counters = self.counters, {}
+        return counters
+
+    def take_orders(self) -> tuple[list[SaveOrder], list[str]]:
+        """What the workers do this step: save, then forget entries (evicted or replaced)."""
+        self._evict()
+        orders, drops = self.orders, self.drops
+        self.orders, self.drops = [], []
+        self.sending.update(order.entry for order in orders)
+        return orders, drops
+
+    def reported(self, saved: Sequence[str], sizes: dict[str, int], total_bytes: int | None) -> None:
+        """The workers finished these saves; `sizes`: their entries' own bytes (-1: the save
+        failed); `total_bytes`: the store's bytes after this step's work."""
+        for entry in saved:
+            self.sending.discard(entry)
+            stored = self.entries.get(entry)
+            if stored is None:
+                continue
+            if sizes.get(entry, 0) < 0:  # the save failed: nothing to read back
+                self.latest = OrderedDict((k, s) for k, s in self.latest.items() if s is not stored)
+                self._retire(stored)
+                continue
+            stored.saved = True
+            self.counters["store_saves"] = self.counters.get("store_saves", 0) + 1
+        for entry, nbytes in sizes.items():
+            if entry in self.entries and nbytes >= 0:
+                self.entries[entry].nbytes = nbytes
+        if total_bytes is not None:
+            estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
+            self.total_bytes = total_bytes + estimated
+
+    @property
+    def busy(self) -> bool:
+        """Saves the workers have not reported: vLLM must keep stepping."""
+        return bool(self.orders or self.sending)
+
+    def _retire(self, stored: StoredAgent) -> None:
+        """An entry no agent's next claim will read: forgotten once no claim in flight reads it
+        (the workers save before they drop, so a save still on its way is dropped after it)."""
+        stored.current = False
+        if stored.pins:
+            return
+        self.entries.pop(stored.entry, None)
+        self.total_bytes -= stored.nbytes
+        self.drops.append(stored.entry)
+
+    def _evict(self) -> None:
+        """Least recently used agents out until the store fits its budget (pinned ones stay)."""
+        for agent in list(self.latest):
+            if self.total_bytes <= self.budget_bytes:
+                return
+            stored = self.latest[agent]
+            if stored.pins or not stored.saved:
+                continue
+            del self.latest[agent]
+            self._retire(stored)
+            self.counters["store_evictions"] = self.counters.get("store_evictions", 0) + 1
