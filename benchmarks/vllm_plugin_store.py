@@ -81,12 +81,15 @@ def main() -> int:
         def settle() -> None:  # one more engine step: the saves of the last finished requests
             llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1), use_tqdm=False)
 
-        def flood() -> None:  # more tokens than the pool holds: LRU evicts every cached block
+        def flood() -> float:
+            """More tokens than the pool holds (LRU evicts every cached block); seconds per token."""
             rng = random.Random(0)
             size = args.pool_blocks * 128 + 4096
             prompts = [[rng.randrange(1000, 40000) for _ in range(2048)] for _ in range(size // 2048 + 1)]
+            started = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=p, cache_salt=f"flood{time.time()}") for p in prompts],
                          SamplingParams(max_tokens=1), use_tqdm=False)
+            return (time.perf_counter() - started) / sum(map(len, prompts))
 
         for n in args.agents:
             salt = f"n{n}-store{store_gib:g}"
@@ -96,7 +99,7 @@ def main() -> int:
             after = metrics()
             stored = after.get("store_bytes", 0) - before.get("store_bytes", 0)
             agents = after.get("store_agents", 0) - before.get("store_agents", 0)
-            flood()
+            prefill = flood()
             start = metrics()
             _, seconds, _ = run_round(n, 1, [said], salt)
             settle()
@@ -104,7 +107,9 @@ def main() -> int:
             delta = {k: v - start.get(k, 0) for k, v in end.items()}
             results.append({"store_gib": store_gib, "agents": n, "dense_mb": held * per_token / MB / n,
                             "store_mb": (stored / agents / MB) if agents else None, "round2_s": seconds,
-                            "restored": delta.get("restored_tokens", 0),
+                            "restored": delta.get("restored_tokens", 0), "prefill_ms": prefill * 1e6,
+                            "restore_ms": delta.get(("pass_seconds", "restore"), 0) * 1e3
+                            / max(1, delta.get("restored_tokens", 0)) * 1e3,
                             "lost": delta.get(("computed_tokens", "history"), 0) + delta.get(("computed_tokens", "moved"), 0),
                             "computed": sum(v for k, v in delta.items()
                                             if isinstance(k, tuple) and k[0] == "computed_tokens" and k[1] != "check")})
@@ -122,7 +127,8 @@ def main() -> int:
     for n in args.agents:
         off, on = (next(r for r in results if r["agents"] == n and (r["store_gib"] > 0) == s) for s in (False, True))
         print(f"N={n}: round 2 after the flood {off['round2_s'] / on['round2_s']:.2f}x faster with the store, "
-              f"{off['computed'] / max(1, on['computed']):.2f}x fewer tokens computed")
+              f"{off['computed'] / max(1, on['computed']):.2f}x fewer tokens computed; a restore "
+              f"{on['restore_ms']:.1f} ms per 1k tokens against {on['prefill_ms']:.0f} ms to prefill them")
     return 0
 
 

@@ -366,3 +366,32 @@ def test_a_mirror_recalls_its_own_pieces_that_moved_from_cached_blocks():
         assert m.session_blocks == sorted({recalled[0].source_block_ids[0], recalled[0].source_block_ids[1]})
     assert counters["recalled_tokens"] == 5 * len(mirrors)
     assert counters.get("computed_tokens.moved", 0) == 0
+
+
+def test_a_piece_is_read_from_its_first_holder_in_a_later_step_only_once_its_pass_is_confirmed():
+    """A pair's line no master holds: its first holder's pass fills it in one step; the second
+    holder, admitted in a later step (one mirror per step here), reads it from the first holder's
+    blocks once vLLM reported that step, and computes it itself if the pass failed."""
+    common = [[50 + j for j in range(20)]]
+    pair_a, pair_b = [[60 + j for j in range(5)]], [[70 + j for j in range(5)]]
+    prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
+               "a2": prompt([3], common + pair_b, [9]), "a3": prompt([4], common + pair_b, [9])}
+    for failed in (False, True):
+        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
+        for agent, ids in prompts.items():
+            b.add(agent, tag(agent, size=4), ids, now=0.0)
+        master = next(a for a in prompts if b.find(a).role == "master")
+        b.mark_ready(master, [1])
+        first, second = ["a2", "a3"] if master in ("a0", "a1") else ["a0", "a1"]
+        b.commit(first, b.claim(first, 0, now=0.0))
+        b.find(first).block_ids[:] = [5, 6, 7, 8]
+        assert b.sent(b.find(first)) == [6]  # the block holding the line it provides (16-token blocks), pinned
+        assert b.claim(second, 0, now=0.0) is None  # its pass is this step's: not confirmed yet
+        b.next_step()
+        if failed:
+            b.failed_blocks({6})
+        assert b.claim(second, 0, now=0.0) > 0
+        from_first = [s for s in b.find(second).spans if s.source_block_ids is b.find(first).block_ids]
+        assert bool(from_first) != failed
+        if not failed:
+            assert [(s.start, s.length) for s in from_first] == [(23, 6)]

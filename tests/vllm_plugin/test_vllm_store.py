@@ -70,6 +70,33 @@ def test_a_mirror_is_stored_as_its_masters_piece_plus_the_rows_that_differ_and_r
     assert store.nbytes == 0 and not store.masters
 
 
+def test_a_piece_captured_from_its_master_leaves_mirrors_only_the_rows_they_recomputed():
+    """The master's piece captured as the pass reads it: a mirror saved before the master differs
+    from it only in its recomputed rows (from another mirror it would differ everywhere: a second
+    re-rotation rounds differently); the master's own save reads it whole; a captured piece no
+    entry reads goes when its round closes."""
+    store = SessionStore(LAYERS, ROTATE)
+    master = kv(40, seed=5)
+    store.capture(b"P", lambda i: (master[i][0][10:30], master[i][1][10:30]), 10, 30, round_serial=1)
+    store.capture(b"Q", lambda i: (master[i][0][30:40], master[i][1][30:40]), 30, 40, round_serial=1)
+    mirrors = {}
+    for agent, at in (("m1", 50), ("m2", 70)):
+        held = kv(100, seed=at)
+        for layer, (keys, values) in enumerate(held):
+            keys[at:at + 20] = ROTATE(master[layer][0][10:30], torch.arange(10, 30), torch.arange(at, at + 20))
+            values[at:at + 20] = master[layer][1][10:30]
+            keys[at] += 1  # its first token recomputed
+        mirrors[agent] = held
+        store.save(agent, lambda i, held=held: held[i], 100, [(b"P", at, at + 20)])
+        assert store.sessions[agent].diff_index[:, 0].unique().tolist() == [at]
+    store.save("master", lambda i: master[i], 40, [(b"P", 10, 30)])
+    assert len(store.sessions["master"].diff_index) == 0 and store.masters[b"P"].holders == 3
+    store.close_round(1)
+    assert set(store.masters) == {b"P"}  # Q: captured, read by no entry
+    for agent, held in mirrors.items():
+        assert torch.equal(store.rows(agent, 0, 100)[0][:, 2], held[2][0])
+
+
 def test_the_store_is_smaller_than_dense_as_more_agents_share_a_piece():
     """N agents each holding one shared piece (copied, a few rows recomputed) and a private run:
     the store holds one master, so bytes per agent fall toward the private run plus the diffs."""
@@ -98,22 +125,22 @@ def test_the_index_evicts_least_recently_used_agents_to_its_budget_but_never_a_p
     index = StoreIndex(budget_bytes=250, bytes_per_token=10)
     for agent in ("a", "b", "c"):
         index.save(("", agent), agent, list(range(10)), [1], [], entry=f"req-{agent}")
-    orders, drops = index.take_orders()
+    orders, drops, _ = index.take_orders()
     assert [o.entry for o in orders] == ["req-a", "req-b", "req-c"] and drops == [] and index.busy
     assert index.find(("", "a"), "a") is None  # not saved yet
     index.reported(["req-a", "req-b", "req-c"], {"req-a": 100, "req-b": 100, "req-c": 100}, total_bytes=300)
     assert not index.busy
     assert index.find(("", "a"), "other salt") is None
     index.pin(index.find(("", "a"), "a").entry)  # a is now the most recent, and read by a claim
-    _, drops = index.take_orders()
+    _, drops, _ = index.take_orders()
     assert drops == ["req-b"]  # over budget: the least recently used goes
     assert index.counters["store_evictions"] == 1 and index.total_bytes == 200
     index.total_bytes = 1000  # as if the workers reported a full store: a is pinned, c goes
-    _, drops = index.take_orders()
+    _, drops, _ = index.take_orders()
     assert drops == ["req-c"] and index.find(("", "a"), "a") is not None
     # a new request of a replaces its entry; the old one is dropped once its claim is done
     index.save(("", "a"), "a", list(range(12)), [2], [], entry="req-a2")
-    orders, drops = index.take_orders()
+    orders, drops, _ = index.take_orders()
     assert [o.entry for o in orders] == ["req-a2"] and "req-a" not in drops
     index.unpin("req-a")
     assert index.take_orders()[1] == ["req-a"]

@@ -96,6 +96,7 @@ class TokenDanceMetadata(KVConnectorMetadata):
     budget: float = 0  # the passes' work this step, full-model token equivalents (0: all of it)
     saves: list[SaveOrder] = field(default_factory=list)  # finished requests' KV into the store, first
     drops: list[str] = field(default_factory=list)  # store entries to forget, after the saves
+    closes: list[int] = field(default_factory=list)  # rounds whose unread captured masters go, last
 
 
 @dataclass
@@ -213,7 +214,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
             self.book = RoundBook(boundaries, self.settings.round_timeout_s, self.settings.hold_timeout_s,
                                   self.settings.claim_tokens_per_step, anchors=self.settings.anchors,
                                   block_size=self.block_size, lookup=self._cached_block,
-                                  store=self.store_index)
+                                  store=self.store_index,
+                                  confirm_steps=2 if self._vllm_config.scheduler_config.async_scheduling else 1)
         return self.book
 
     def _cached_block(self, block_hash) -> int | None:
@@ -287,10 +289,14 @@ class TokenDanceConnector(KVConnectorBase_V1):
             start, end = member.claim
             meta.loads.append(MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
                                          self.book.loads_for(member), member.tag.recompute_ratio))
-            member.loaded = True
             self.in_flight[request_id] = member
-            if member.provides_end:  # pieces no master computes, which later members read from its blocks
-                self.block_pool.touch([self.block_pool.blocks[i] for i in self.book.mark_ready(request_id, member.block_ids)])
+            pinned = self.book.sent(member)  # pieces no master computes, which later members read from its blocks
+            if pinned:
+                self.block_pool.touch([self.block_pool.blocks[i] for i in pinned])
+        if self.store_index is not None:  # the pieces the store keeps as masters, once these passes ran
+            for load in meta.loads:
+                load.masters = self.book.master_pieces(self.pending[load.request_id])
+                load.round_serial = self.book.round_of(load.request_id)
         self.pending.clear()
         if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
             self._filled(list(self.in_flight))
@@ -300,10 +306,12 @@ class TokenDanceConnector(KVConnectorBase_V1):
         self._release(self.book.releasable())
         self.book.next_step()
         if self.store_index is not None:
-            meta.saves, meta.drops = self.store_index.take_orders()
+            meta.saves, meta.drops, meta.closes = self.store_index.take_orders()
         return meta
 
     def update_connector_output(self, connector_output) -> None:
+        if self.book is not None and connector_output.invalid_block_ids:
+            self.book.failed_blocks(set(connector_output.invalid_block_ids))
         self._filled(connector_output.finished_recving or ())
         if self.store_index is not None:
             report = connector_output.kv_connector_worker_meta
@@ -355,10 +363,12 @@ class TokenDanceConnector(KVConnectorBase_V1):
             self._unpin_session(request.request_id)
         if member is None:
             return False, None
-        self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
+        closed = self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
         self._release(self.book.releasable())
         claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
         saving = self._save(request, member, block_ids)
+        if closed is not None and self.store_index is not None:
+            self.store_index.closes.append(closed)
         return saving, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
 
     def _save(self, request, member, block_ids: list[int]) -> bool:
@@ -384,8 +394,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, TokenDanceMetadata):
             return
-        if meta.saves or meta.drops:
-            self._store_work(meta.saves, meta.drops)
+        if meta.saves or meta.drops or meta.closes:
+            self._store_work(meta.saves, meta.drops, meta.closes)
         if meta.loads:
             self.passes.append((meta.loads, self._pass().steps(meta.loads)))
         spent = 0.0
@@ -398,6 +408,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
             except StopIteration as done:
                 if self.counts_stats:
                     self.stats.aggregate(TokenDanceStats({"mirrors": len(loads), "passes": 1, **done.value}))
+                if any(load.masters for load in loads):  # the sources they read are all written now
+                    self._capture(loads)
             except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
                 logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
                 if self.counts_stats:
@@ -407,8 +419,22 @@ class TokenDanceConnector(KVConnectorBase_V1):
             self.passes.pop(0)
             self.filled.update(load.request_id for load in loads)
 
-    def _store_work(self, saves: list[SaveOrder], drops: list[str]) -> None:
-        """Copy finished requests' KV into the store, then forget the entries dropped."""
+    def _capture(self, loads: list[MirrorLoad]) -> None:
+        """The pieces these mirrors read from the members that computed them (masters, first
+        holders: still pinned), into the store as those pieces' masters."""
+        store, before = self._store(), self._store().nbytes
+        for load in loads:
+            for key, block_ids, start, length in load.masters:
+                slots = self._pass()._slots(block_ids, start, start + length)
+                store.capture(key, lambda index: self.mirror_pass.layouts[index].read(slots), start, start + length,
+                              load.round_serial)
+        self.store_changed = True
+        if self.counts_stats:
+            self.stats.aggregate(TokenDanceStats({"store_bytes": store.nbytes - before}))
+
+    def _store_work(self, saves: list[SaveOrder], drops: list[str], closes: list[int]) -> None:
+        """Copy finished requests' KV into the store, then forget the entries dropped and the
+        closed rounds' masters no entry reads."""
         store = self._store()
         before, agents = store.nbytes, len(store.sessions)
         for order in saves:
@@ -423,6 +449,8 @@ class TokenDanceConnector(KVConnectorBase_V1):
                 self.saved[order.entry] = -1
         for entry in drops:
             store.drop(entry)
+        for serial in closes:
+            store.close_round(serial)
         self.store_changed = True
         if self.counts_stats:
             self.stats.aggregate(TokenDanceStats({"store_bytes": store.nbytes - before,

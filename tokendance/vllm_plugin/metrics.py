@@ -35,7 +35,8 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
                                                      "selected; check: reused tokens' check layers in full-model "
                                                      "token equivalents)"),
     "pass_seconds": ("pass_seconds", "phase", "seconds in the workers' passes, by phase (check, select, copy, "
-                                              "recompute; attention is part of check and recompute)"),
+                                              "recompute; attention is part of check and recompute; "
+                                              "restore: reads from the session store)"),
     "restored_tokens": ("restored_tokens", None, "claimed tokens of the agent's own history read back from the "
                                                  "session store (gone from vLLM's prefix cache)"),
     "store_saves": ("store_saves", None, "finished requests whose KV the session store took"),

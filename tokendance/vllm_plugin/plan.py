@@ -41,6 +41,10 @@ class MirrorLoad:
     token_ids: list[int]
     spans: list[ReusedSpan] = field(default_factory=list)
     recompute_ratio: float | None = None  # None: the connector's setting
+    # for the session store: pieces masters computed, (key, block ids, start, length), kept as
+    # those pieces' masters, and the round (serial) they belong to
+    masters: list[tuple[bytes, list[int], int, int]] = field(default_factory=list)
+    round_serial: int = 0
 
     @property
     def end(self) -> int:

@@ -109,6 +109,8 @@ class Member:
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
     claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
     loaded: bool = False  # a mirror whose load was sent to the workers
+    sent_step: int = -1  # ... in this step of the book's
+    failed: bool = False  # ... and whose pass failed (its blocks are vLLM's to recompute)
     filled: bool = False  # ... and whose pass the workers finished
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
@@ -139,6 +141,7 @@ class Round:
     members: dict[str, Member] = field(default_factory=dict)
     planned: bool = False
     pinned: list[int] = field(default_factory=list)  # block ids held for the masters
+    serial: int = 0  # unique for the book's life (a round id may come again)
 
     def is_complete(self, now: float, timeout: float) -> bool:
         return (self.size is not None and len(self.members) >= self.size) or now - self.opened >= timeout
@@ -169,7 +172,7 @@ class RoundBook:
     def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
                  claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1,
                  block_size: int = 16, lookup: Callable[[Any], int | None] | None = None,
-                 store: StoreIndex | None = None):
+                 store: StoreIndex | None = None, confirm_steps: int = 1):
         self.boundaries = boundaries
         self.block_size = block_size
         # A block hash -> the id of the block vLLM's prefix cache holds for it, or None (None: no
@@ -181,12 +184,17 @@ class RoundBook:
         # a large round's mirrors over several steps, and the first ones decode meanwhile.
         self.claim_tokens_per_step = claim_tokens_per_step
         self.claimed_this_step = 0
+        self.step = 0  # engine steps whose admissions are over
+        # A first holder's blocks are read in a later step only once vLLM has reported the step
+        # that filled them (1 step later; 2 with vLLM's asynchronous scheduling): not if it failed.
+        self.confirm_steps = confirm_steps
         self.round_timeout_s = round_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.min_piece_tokens = min_piece_tokens
         self.rounds: dict[tuple[str, str], Round] = {}
         self.members: dict[str, tuple[Round, Member]] = {}
         self.closed: list[Round] = []  # rounds whose members all finished, until their pins are freed
+        self.serials = 0
         # What the rounds did since the connector last reported (`take_counters`): rounds by how
         # they formed, held steps, and every member's prompt tokens by who computes them and why.
         self.counters: Counter = Counter()
@@ -203,7 +211,8 @@ class RoundBook:
             if round_ is not None:
                 self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role="exact", salt=salt))
                 return
-            round_ = self.rounds[key] = Round(key, tag.round_size, now)
+            self.serials += 1
+            round_ = self.rounds[key] = Round(key, tag.round_size, now, serial=self.serials)
         member = Member(request_id, tag, token_ids, now, salt=salt)
         member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1,
                                    self.min_piece_tokens)
@@ -238,10 +247,11 @@ class RoundBook:
         spans, waiting = [], False
         for s, n, sources in trim(member.reusable, num_computed):
             first = sources[0][0]
-            if first.role == "master" or first.ready or (first.committed and not first.loaded):
+            filled = first.ready and not first.failed and self.step - first.sent_step >= self.confirm_steps
+            if first.role == "master" or filled or (first.committed and not first.loaded):
                 spans.append((s, n, sources))
-            elif first.role == "mirror" and not first.finished:
-                waiting = True  # the piece's first holder is not admitted yet
+            elif first.role == "mirror" and not first.finished and not first.failed:
+                waiting = True  # the piece's first holder is not admitted yet, or its pass not confirmed
             # else its first holder computed it in no pass (exact, or gone): computed here
         masters = {id(m): m for _, _, sources in spans for m, _ in sources if m.role == "master"}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
@@ -343,12 +353,37 @@ class RoundBook:
     def next_step(self) -> None:
         """The step's admissions are over (the connector built its metadata)."""
         self.claimed_this_step = 0
+        self.step += 1
 
     def loads_for(self, member: Member) -> list[ReusedSpan]:
         """What fills a mirror's claim: its spans, by source (masters' blocks, its session's, a first
         holder's in this pass). A first holder whose blocks were not sent with it leaves its pieces
         to be computed in the mirror's claim."""
         return [span for span in member.spans if span.source_block_ids or span.stored is not None]
+
+    def master_pieces(self, member: Member) -> list[tuple[bytes, list[int], int, int]]:
+        """A mirror's pieces one member computes (a master, or the first holder of a piece no master
+        holds): (key, its block ids, its start, length), the KV the session store keeps as each
+        piece's master once the mirror's pass has run."""
+        keys = {p.start: p.key for p in member.pieces}
+        return [(keys[s], first.block_ids, at, n) for s, n, ((first, at), *more) in member.reusable
+                if not more and s in keys and (first.role == "master" or (first.provides_end and first.ready
+                                                                           and not first.failed and not first.finished))]
+
+    def round_of(self, request_id: str) -> int:
+        return self.members[request_id][0].serial
+
+    def sent(self, member: Member) -> list[int]:
+        """A mirror's load goes to the workers in this step; the blocks to pin for the members that
+        read the pieces it provides in later steps."""
+        member.loaded, member.sent_step = True, self.step
+        return self.mark_ready(member.request_id, member.block_ids) if member.provides_end else []
+
+    def failed_blocks(self, block_ids: set[int]) -> None:
+        """The workers could not fill these blocks: the mirrors holding them provide nothing."""
+        for _, member in self.members.values():
+            if member.loaded and not member.failed and not block_ids.isdisjoint(member.block_ids):
+                member.failed = True
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
         """A master's prompt is computed in this step, or a first holder's pass is sent: the blocks
@@ -366,12 +401,13 @@ class RoundBook:
         return pinned
 
     def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None,
-               block_hashes: Sequence[Any] = ()) -> None:
+               block_hashes: Sequence[Any] = ()) -> int | None:
         """The request is done; `all_token_ids` (its prompt and output) and `block_hashes` (vLLM's,
-        of its full blocks) are its agent's session."""
+        of its full blocks) are its agent's session. Returns its round's serial if it was the
+        round's last member."""
         entry = self.members.pop(request_id, None)
         if entry is None:
-            return
+            return None
         round_, member = entry
         member.finished = True
         if all_token_ids is not None:  # its prompt's pieces were cut when it came: kept, not cut again
@@ -386,6 +422,8 @@ class RoundBook:
         if all(m.finished for m in round_.members.values()) and self.rounds.get(round_.key) is round_:
             del self.rounds[round_.key]
             self.closed.append(round_)
+            return round_.serial
+        return None
 
     def releasable(self) -> list[int]:
         """Pinned blocks no member needs any more (each returned once)."""

@@ -40,6 +40,7 @@ class MasterPiece:
     values: torch.Tensor
     positions: torch.Tensor
     holders: int = 0
+    round_serial: int = 0  # the round whose pass captured it (0: the first agent saved holding it)
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +88,24 @@ class SessionStore:
         keys = master.keys[rows]
         n, layers, heads, dim = keys.shape
         return self.rotate(keys.reshape(n, layers * heads, dim), master.positions[rows], at).view(n, layers, heads, dim)
+
+    def capture(self, key: bytes, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], start: int, end: int,
+                round_serial: int) -> None:
+        """Keep the KV a master computed for a piece (`read(layer)`: its rows [start, end)) as the
+        piece's master, as the mirrors of its round copy it: their saves then differ from it only
+        where they recomputed (a master taken from a mirror would differ everywhere, by the
+        rounding of a second re-rotation). Unread by any entry, it goes when its round closes."""
+        if key in self.masters:
+            return
+        layers = [read(index) for index in range(self.num_layers)]
+        self.masters[key] = MasterPiece(torch.stack([k for k, _ in layers], dim=1), torch.stack([v for _, v in layers], dim=1),
+                                        torch.arange(start, end), round_serial=round_serial)
+
+    def close_round(self, round_serial: int) -> int:
+        """The round's members are all saved (or never will be): its captured masters no entry
+        reads go. The bytes freed."""
+        unread = [key for key, m in self.masters.items() if m.round_serial == round_serial and m.holders == 0]
+        return sum(self.masters.pop(key).nbytes for key in unread)
 
     def save(self, entry: str, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], length: int,
              pieces: Sequence[tuple[bytes, int, int]]) -> int:
@@ -200,6 +219,7 @@ class StoreIndex:
         self.entries: dict[str, StoredAgent] = {}  # every entry the workers hold or will hold
         self.orders: list[SaveOrder] = []  # saves not sent to the workers yet
         self.drops: list[str] = []  # entries to forget, not sent yet
+        self.closes: list[int] = []  # rounds whose members are all finished (their saves sent first)
         self.sending: set[str] = set()  # saves sent, not reported done
         self.total_bytes = 0  # as the workers last reported (plus estimates of saves not reported)
         self.counters: dict[str, int] = {}
@@ -238,13 +258,14 @@ class StoreIndex:
         counters, self.counters = self.counters, {}
         return counters
 
-    def take_orders(self) -> tuple[list[SaveOrder], list[str]]:
-        """What the workers do this step: save, then forget entries (evicted or replaced)."""
+    def take_orders(self) -> tuple[list[SaveOrder], list[str], list[int]]:
+        """What the workers do this step: save, then forget entries (evicted or replaced), then
+        close rounds."""
         self._evict()
-        orders, drops = self.orders, self.drops
-        self.orders, self.drops = [], []
+        orders, drops, closes = self.orders, self.drops, self.closes
+        self.orders, self.drops, self.closes = [], [], []
         self.sending.update(order.entry for order in orders)
-        return orders, drops
+        return orders, drops, closes
 
     def reported(self, saved: Sequence[str], sizes: dict[str, int], total_bytes: int | None) -> None:
         """The workers finished these saves; `sizes`: their entries' own bytes (-1: the save

@@ -209,7 +209,8 @@ class MirrorPass:
         or the mirror's session, exact copies included), `computed_tokens.selected` (reused-span
         tokens recomputed), `computed_tokens.check` (the reused tokens' layers 0..c, in full-model
         token equivalents), `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy,
-        recompute; `attention` inside check and recompute; time between steps not counted)."""
+        recompute; `attention` inside check and recompute; `restore`: reads from the session store;
+        time between steps not counted)."""
         clock = PhaseClock()
         for shim in self.shims:
             shim.seconds = 0.0
@@ -218,7 +219,7 @@ class MirrorPass:
         # a selection that ranks nothing (EPIC: each span's first tokens) needs no check pass
         c = self.check_layer if self._selector(None).needs_check_pass else -1
         # 0. exact spans copied in every layer; the pass computes the other rows (`batch`)
-        exact = self._copy_exact(loads, context, c)
+        exact = self._copy_exact(loads, context, c, clock)
         batch = [~mask for mask in exact]
         counts = [int(m.sum()) for m in batch]
         ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
@@ -271,7 +272,7 @@ class MirrorPass:
         report["pass_seconds.attention"] = sum(shim.seconds for shim in self.shims)
         return report
 
-    def _copy_exact(self, loads, context, check_layer: int) -> list[torch.Tensor]:
+    def _copy_exact(self, loads, context, check_layer: int, clock: "PhaseClock") -> list[torch.Tensor]:
         """Copy every exact span's K/V, all layers, as is (same tokens, same positions, same
         prefix); per load, the mask of its claimed positions so filled. A moved piece read from
         the session store is staged as it was held in its destination's layers after the check
@@ -293,18 +294,18 @@ class MirrorPass:
             masks.append(mask.to(slots.device))
         if stored and self.store is None:
             raise RuntimeError("a claim reads the session store, which this worker does not have")
-        self.restored = {}  # (entry, start, end) -> its rows, every layer: read once per pass
-        for entry, start, end, to, _ in stored:
-            self.restored[entry, start, end] = tuple(rows.to(to.device) for rows in self.store.rows(entry, start, end))
-        src_slots = torch.cat(src) if src else None
-        dst_slots = torch.cat(dst) if dst else None
-        for index, layout in enumerate(self.layouts):
-            if src_slots is not None:
+        if src:
+            src_slots, dst_slots = torch.cat(src), torch.cat(dst)
+            for layout in self.layouts:
                 layout.write(dst_slots, *layout.read(src_slots))
-            for entry, start, end, to, first in stored:
-                if index >= first:
-                    keys, values = self.restored[entry, start, end]
-                    layout.write(to, keys[:, index], values[:, index])
+        clock.lap("copy")
+        self.restored = {}  # (entry, start, end) -> its rows, every layer: read once per pass
+        for entry, start, end, to, first in stored:
+            keys, values = self.restored[entry, start, end] = tuple(
+                rows.to(to.device) for rows in self.store.rows(entry, start, end))
+            for index in range(first, len(self.layouts)):
+                self.layouts[index].write(to, keys[:, index], values[:, index])
+        clock.lap("restore")
         return masks
 
     def _select(self, loads, batch, fresh, keep):
