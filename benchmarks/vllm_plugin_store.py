@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--store-gib", type=float, default=4.0)
     parser.add_argument("--pool-blocks", type=int, default=400, help="vLLM's KV pool, in 128-token blocks")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rest-only", action="store_true",
+                        help="only the KV at rest after round 1, with the store (no flood, no round 2, no store-off run)")
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -56,7 +58,7 @@ def main() -> int:
     cpu = probe_cpu()
     dtype = "bfloat16" if cpu.native_bf16 else "float32"
     results = []
-    for store_gib in (0.0, args.store_gib):
+    for store_gib in (args.store_gib,) if args.rest_only else (0.0, args.store_gib):
         llm = LLM(model=str(default_model_folder()), dtype=dtype, max_model_len=8192, enable_prefix_caching=True,
                   enforce_eager=True, seed=0, disable_log_stats=False, num_gpu_blocks_override=args.pool_blocks,
                   kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
@@ -113,6 +115,10 @@ def main() -> int:
             after = metrics()
             stored = after.get("store_bytes", 0) - before.get("store_bytes", 0)
             agents = after.get("store_agents", 0) - before.get("store_agents", 0)
+            if args.rest_only:
+                results.append({"store_gib": store_gib, "agents": n, "dense_mb": held * per_token / MB / n,
+                                "store_mb": (stored / agents / MB) if agents else None})
+                continue
             prefill = flood()
             start = metrics()
             restoring[0] = 0.0
@@ -131,6 +137,11 @@ def main() -> int:
         gc.collect()
     print(f"{args.workload}, {dtype}, CPU {cpu.describe()}, pool {args.pool_blocks} blocks, "
           f"{args.max_tokens} output tokens")
+    if args.rest_only:
+        for r in results:
+            print(f"N={r['agents']}: {r['dense_mb']:.2f} MB/agent dense, {r['store_mb']:.2f} MB/agent in the store "
+                  f"({r['dense_mb'] / r['store_mb']:.2f}x smaller)")
+        return 0
     print(f"{'store':>6}{'N':>5}{'dense MB/agent':>16}{'store MB/agent':>16}{'smaller':>9}"
           f"{'round 2 s':>11}{'TTFT s':>8}{'restored':>10}{'lost':>8}{'computed':>10}")
     for r in results:
