@@ -45,9 +45,8 @@ def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed:
             book.add(agent, RoundTag(f"r{r}", agent, len(prompts)), ids, now=0.0, salt=agent)
         hits = {a: block_size * (common_prefix(ids, cache.get(a, ())) // block_size) for a, ids in prompts.items()}
         for agent in prompts:  # masters first: their KV exists before any mirror claims
-            if book.find(agent).role == "master":
-                book.claim(agent, hits[agent], now=0.0)
-                book.commit(agent, 0)
+            if book.find(agent).role == "master":  # it claims its own history only (exact copies)
+                book.commit(agent, book.claim(agent, hits[agent], now=0.0) or 0)
                 book.mark_ready(agent, [0])
         selected = 0
         for agent in prompts:

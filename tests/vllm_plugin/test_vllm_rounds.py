@@ -225,9 +225,8 @@ def run_round(b: RoundBook, prompts: dict, size: int | None = None, num_computed
     for agent, ids in prompts.items():
         b.add(agent, tag(agent, size=size or len(prompts)), ids, now=0.0, salt=(salts or {}).get(agent))
     for agent in prompts:
-        if b.find(agent).role == "master":
-            assert b.claim(agent, 0, now=0.0) == 0
-            b.commit(agent, 0)
+        if b.find(agent).role == "master":  # it claims its own history only, if it has one
+            b.commit(agent, b.claim(agent, (num_computed or {}).get(agent, 0), now=0.0))
             b.mark_ready(agent, [1])
     for agent in prompts:
         if b.find(agent).role != "master":
@@ -338,7 +337,10 @@ def test_a_mirror_reads_its_own_history_back_exactly_from_cached_blocks():
             assert m.session_blocks == sorted({exact[0].source_block_ids[i] for i in range(1, cached // 8)})
             assert all(i >= 1000 for i in m.session_blocks)
         if not (salt2 or evicted):
-            assert counters["reused_exact_tokens"] == sum(s.length for m in mirrors for s in m.spans if s.exact)
+            # the master claims its own history the same way (exact copies, no piece of anyone's)
+            master = next(b.find(agent) for agent in second if b.find(agent).role == "master")
+            assert [(s.start, s.length, s.exact) for s in master.spans] == [(8, cached - 8, True)]
+            assert counters["reused_exact_tokens"] == sum(s.length for m in [*mirrors, master] for s in m.spans if s.exact)
             # the unfinished last block's history, where no master's piece covers it
             assert counters["computed_tokens.history"] == sum(
                 len(set(range(24, len(first[m.request_id]) + 3)) - {p for s in m.spans for p in range(s.start, s.start + s.length)})

@@ -101,7 +101,9 @@ def test_chat_requests_with_round_fields_form_a_round(server):
         replies = list(pool.map(lambda t: chat(server, t["messages"], agent_id=t["agent_id"], round_id="declared-1",
                                                round_size=3), turns))
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
-    assert sum(c > 0 for c in cached) == 2  # two mirrors claimed their shared messages; the master none
+    # two mirrors claimed their shared messages (the master claims only its own history, exactly,
+    # where an earlier request of its agent left one)
+    assert sum(c > 0 for c in cached) >= 2
     # /metrics shows the connector's counters under vLLM's prefix (ratio 1.0: every reused-piece
     # token selected, none reused)
     metrics = prometheus(server)

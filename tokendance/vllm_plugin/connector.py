@@ -173,6 +173,10 @@ class TokenDanceConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if self.settings.store_gib > 0 and vllm_config.device_config.device_type != "cpu":
+            raise ValueError(f"TokenDanceConnector: store_gib needs vLLM-CPU for now (the session store keeps "
+                             f"tensors in the workers' memory and re-rotates them there; on "
+                             f"{vllm_config.device_config.device_type} it is untested); set store_gib to 0")
         self.block_size = vllm_config.cache_config.block_size
         self.disabled = unsupported_reason(vllm_config)
         if self.disabled:

@@ -226,8 +226,10 @@ class RoundBook:
         return None if entry is None else entry[1]
 
     def claim(self, request_id: str, num_computed: int, now: float | None = None) -> int | None:
-        """Tokens a member claims beyond `num_computed` (what vLLM's prefix cache holds): 0 for a
-        master or an exact member, None while it must wait (its round or its masters)."""
+        """Tokens a member claims beyond `num_computed` (what vLLM's prefix cache holds), None
+        while it must wait (its round or its masters). A master or an exact member claims only its
+        own history at the same positions (from blocks still cached or the session store: exact
+        copies), never a re-rotated piece."""
         now = time.monotonic() if now is None else now
         entry = self.members.get(request_id)
         if entry is None:
@@ -239,8 +241,10 @@ class RoundBook:
                 self.counters["held_steps"] += 1
                 return None
             self._plan(round_)
-        if member.role != "mirror" or member.finished:
+        if member.finished:
             return 0
+        if member.role != "mirror":
+            return self._claim_history(member, num_computed)
         if member.loaded:  # resumed after a preemption: its masters may be unpinned by now
             member.role = "exact"
             return 0
@@ -276,7 +280,20 @@ class RoundBook:
         member.claim = (num_computed, end)
         return count
 
-    def _spans(self, member: Member, spans: list, start: int) -> list[ReusedSpan]:
+    def _claim_history(self, member: Member, num_computed: int) -> int:
+        """A master's or exact member's claim: its history past vLLM's hit, exact (once: not again
+        after a preemption)."""
+        if member.loaded:
+            return 0
+        member.spans = self._spans(member, [], num_computed, recall=False)
+        if not member.spans:
+            member.claim = None
+            return 0
+        end = member.spans[-1].start + member.spans[-1].length
+        member.claim = (num_computed, end)
+        return end - num_computed
+
+    def _spans(self, member: Member, spans: list, start: int, recall: bool = True) -> list[ReusedSpan]:
         """What fills a mirror's claim from `start` (vLLM's hit), in order: its session's history at
         the same positions (exact), then its masters' pieces (exact where a master holds the same
         tokens from position 0), then its session's pieces that moved. Sets the session blocks
@@ -311,7 +328,7 @@ class RoundBook:
                 out.append(ReusedSpan(s, n, first.block_ids, s, exact=True))
             else:
                 out.append(ReusedSpan(s, n, first.block_ids, at, [(m.block_ids, ms) for m, ms in more]))
-        if session is not None:
+        if session is not None and recall:
             taken = [(r.start, r.start + r.length) for r in out]
             for p in member.pieces:
                 was = session.pieces.get(p.key)
@@ -332,21 +349,25 @@ class RoundBook:
         return merge(out)
 
     def commit(self, request_id: str, num_external: int) -> Member | None:
-        """vLLM allocated the request with `num_external` claimed tokens: the mirror whose load the
-        workers run this step (None for any other member; a mirror whose claim vLLM did not take
-        as it was, its own cache covering it, is computed exactly). Only here is the step's claim
-        budget spent: vLLM may ask `claim` again after an allocation that failed."""
+        """vLLM allocated the request with `num_external` claimed tokens: the member whose load the
+        workers run this step (None for any other; a mirror whose claim vLLM did not take as it
+        was, its own cache covering it, is computed exactly). Only here is the step's claim budget
+        spent: vLLM may ask `claim` again after an allocation that failed."""
         member = self.find(request_id)
         if member is None:
             return None
-        if member.role == "mirror" and member.claim is not None and not member.loaded:
+        if member.claim is not None and not member.loaded:
             if num_external and num_external == member.claim[1] - member.claim[0]:
-                self.claimed_this_step += num_external
+                if member.role == "mirror":  # a history claim is a copy: not counted against the pass
+                    self.claimed_this_step += num_external
                 member.committed = True
                 member.block_ids = []  # filled when its load is sent (a piece it provides is read from them)
                 self._count(member)
                 return member
-            member.role = "exact"
+            if member.role == "mirror":
+                member.role = "exact"
+            else:
+                member.claim, member.spans = None, []
         self._count(member)
         return None
 
@@ -460,7 +481,9 @@ class RoundBook:
         member.counted = True
         start, total = member.num_computed, len(member.token_ids)
         if member.role != "mirror" or member.claim is None:
-            self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start
+            claimed = 0 if member.claim is None else member.claim[1] - member.claim[0]
+            self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start - claimed
+            self._count_spans(member)
             return
         session = self.sessions.get((member.tag.namespace, member.tag.agent_id))
         history = common_prefix(member.token_ids, session.token_ids) if session else 0
@@ -488,6 +511,11 @@ class RoundBook:
             self.counters["computed_tokens.no_master"] += no_master
             self.counters["computed_tokens.moved"] += recalled
             self.counters["computed_tokens.private"] += (b - a) - exact_h - exact_p - no_master - recalled
+        self._count_spans(member)
+
+    def _count_spans(self, member: Member) -> None:
+        if member.claim is None:
+            return
         self.counters["reused_exact_tokens"] += sum(r.length for r in member.spans if r.exact)
         self.counters["recalled_tokens"] += sum(r.length for r in member.spans if r.recalled)
         self.counters["restored_tokens"] += sum(r.length for r in member.spans if r.stored)
