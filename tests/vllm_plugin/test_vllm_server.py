@@ -1,6 +1,7 @@
 """`vllm serve` with the plugin, through the official openai client: the endpoint plugin's
-`/v1/rounds` and round fields on chat requests (tokendance serve's API) reach the connector, and
-at recompute ratio 1.0 a round answers exactly what plain chat requests answer."""
+`/v1/rounds` and round fields on chat requests (tokendance serve's API) reach the connector, at
+recompute ratio 1.0 a round answers exactly what plain chat requests answer, and `tokendance bench
+--target` reads the session store's gauges."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def server(model_folder):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"recompute_ratio": 1.0}}
+              "kv_connector_extra_config": {"recompute_ratio": 1.0, "store_gib": 0.5}}
     env = {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(
@@ -125,3 +126,19 @@ def test_malformed_round_fields_are_refused_with_their_field(server):
     with pytest.raises(openai.BadRequestError) as refused:
         server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": agents(2, seed=12), "stream": True})
     assert refused.value.body["param"] == "agents.0.stream"
+
+
+def test_bench_target_reads_the_session_store(server, tmp_path):
+    """Declared rounds through `tokendance bench --target`: every agent's request is kept in the
+    session store (its gauges on /metrics), and the bench prints what it holds."""
+    out = tmp_path / "store.json"
+    url = str(server.base_url).rstrip("/")
+    result = subprocess.run([sys.executable, "-m", "tokendance.cli", "bench", "--target", url, "--target-model", MODEL,
+                             "--workload", "generative-agents", "--agents", "3", "--rounds", "2", "--declare-rounds",
+                             "--max-tokens", "8", "--cache-salt", "store-bench", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rounds"]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["store"]["store_agents"] >= 3 and r["store"]["store_bytes"] > 0 for r in rows)
+    assert "the session store after the round" in result.stdout

@@ -39,7 +39,10 @@ REUSE_COUNTERS = {
     "vllm:tokendance_computed_tokens_total": "computed",
     "vllm:tokendance_reused_tokens_total": "reused",
     "vllm:tokendance_pass_seconds_total": "pass_seconds",
+    "vllm:tokendance_restored_tokens_total": "restored",
 }
+# The vLLM plugin's session store now (gauges).
+STORE_GAUGES = {"vllm:tokendance_store_bytes": "store_bytes", "vllm:tokendance_store_agents": "store_agents"}
 REASON = re.compile(r'(?:reason|phase)="([^"]+)"')
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+.eE0-9naNinfINF]+)$")
 
@@ -119,6 +122,14 @@ class Client:
                 key = f"{kind}.{reason.group(1)}"
                 found[key] = found.get(key, 0.0) + value
         return found
+
+    def store_state(self) -> dict[str, float] | None:
+        """The plugin's session store (`STORE_GAUGES`), None where the server has none."""
+        found: dict[str, float] = {}
+        for name, _, value in self.metrics() or []:
+            if name in STORE_GAUGES:
+                found[STORE_GAUGES[name]] = found.get(STORE_GAUGES[name], 0.0) + value
+        return found or None
 
     def kv_bytes_used(self) -> float | None:
         """KV bytes the server holds for requests (and agent sessions) now: `tokendance serve`'s
@@ -260,6 +271,7 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         "replicas": sorted({x.replica for x in replies if x.replica}),
         # what the server says the round computed and reused (None: it does not say)
         "server_tokens": {key: after[key] - before.get(key, 0.0) for key in after} or None,
+        "store": client.store_state(),  # the plugin's session store after the round (None: none)
     }
 
 
@@ -290,6 +302,13 @@ def format_target(rows: list[dict], client: Client) -> str:
         for r, by_phase in phases:
             lines.append(f"{r['agents']:>4} {r['round']:>2}  " + ", ".join(
                 f"{phase} {value:.2f}" for phase, value in by_phase.items()))
+    stores = [(r, r["store"]) for r in rows if r.get("store") and r["store"].get("store_agents")]
+    if stores:
+        lines.append("the session store after the round (all agents it holds; restored: history read back from it):")
+        for r, store in stores:
+            lines.append(f"{r['agents']:>4} {r['round']:>2}  {store['store_agents']:.0f} agents, "
+                         f"{store['store_bytes'] / 2**20:.1f} MB ({store['store_bytes'] / store['store_agents'] / 2**20:.2f} "
+                         f"MB/agent), restored {_count((r.get('server_tokens') or {}).get('restored'))} tokens")
     return "\n".join(lines)
 
 
