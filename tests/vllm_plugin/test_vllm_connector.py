@@ -243,7 +243,7 @@ def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
     (ratio 1.0)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()  # the worker side (vLLM runs in this process)
+    worker = get_kv_transfer_group().worker  # the worker side (vLLM runs in this process)
     prompts = round_prompts(vllm_llm, 4, seed=6)
     engine = vllm_llm.llm_engine
     round_id = f"r{next(_ids)}"
@@ -338,3 +338,14 @@ def test_selections_the_worker_cannot_rank_are_refused_at_start():
         with pytest.raises(ValueError, match=name):
             Settings.from_extra({"selection": name})
     assert Settings.from_extra({"selection": "cacheblend-block", "recompute_ratio": 0.3}).selection == "cacheblend-block"
+
+
+def test_the_scheduler_side_runs_without_vllm():
+    """The connector split by role: its scheduler side and settings import nothing of vLLM."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tokendance.vllm_plugin.scheduler_side, tokendance.vllm_plugin.settings; "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

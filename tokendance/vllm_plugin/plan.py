@@ -5,6 +5,7 @@ from the engine core to the workers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,3 +50,16 @@ class MirrorLoad:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+@dataclass
+class StepOrders:
+    """One engine step's work for the workers, in their order: the session store's saves, drops
+    and closed rounds (`store.py`), then this step's mirrors (one pass), advanced by `budget`
+    full-model token equivalents (0: to their end)."""
+
+    loads: list[MirrorLoad] = field(default_factory=list)
+    budget: float = 0
+    saves: list[Any] = field(default_factory=list)  # store.SaveOrder
+    drops: list[str] = field(default_factory=list)
+    closes: list[int] = field(default_factory=list)

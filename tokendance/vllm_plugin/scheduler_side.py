@@ -1,0 +1,207 @@
+"""The connector's scheduler side, in vLLM's engine core: the round book (`rounds.py`) holds
+mirrors until their masters are computed, pins the blocks their claims read (masters', first
+holders', the agent's previous request's), claims each member's range and tells the workers, step
+by step, what to fill (`StepOrders`); with the session store, it keeps the store's index
+(`store.py`) and orders its saves and drops.
+
+Plain Python over the objects vLLM hands a connector (requests, the block pool, the KV cache
+manager, the scheduler's output): no vLLM import, so it runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.store import StoreIndex
+
+logger = logging.getLogger("tokendance.vllm")
+
+
+class SchedulerSide:
+    """`settings`: the connector's (`connector.Settings`); `boundaries`: the tokenizer's
+    boundary token ids; `kv_cache_manager`: vLLM's, once bound (a getter); `single_group`: one KV
+    cache group (no session is read back otherwise); `bytes_per_token`: K and V of one token over
+    all layers; `confirm_steps`: steps before a first holder's filled blocks are read (2 under
+    vLLM's asynchronous scheduling)."""
+
+    def __init__(self, settings, block_size: int, boundaries: frozenset[int], kv_cache_manager: Callable[[], Any],
+                 single_group: bool, bytes_per_token: int, confirm_steps: int = 1):
+        self.settings = settings
+        self.kv_cache_manager = kv_cache_manager
+        self.single_group = single_group
+        self.block_pool = None  # vLLM's, once bound
+        self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
+        self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
+        self.in_flight: dict[str, Any] = {}  # request id -> member whose pass the workers run
+        self.store_pins: dict[str, str] = {}  # request id -> the store entry its claim reads
+        self.store_index = None
+        if settings.store_gib > 0:
+            self.store_index = StoreIndex(int(settings.store_gib * 2**30), bytes_per_token)
+        self.book = RoundBook(boundaries, settings.round_timeout_s, settings.hold_timeout_s,
+                              settings.claim_tokens_per_step, anchors=settings.anchors, block_size=block_size,
+                              lookup=self._cached_block, store=self.store_index, confirm_steps=confirm_steps)
+
+    def _cached_block(self, block_hash) -> int | None:
+        """The block vLLM's prefix cache holds for a hash (one KV cache group), or None."""
+        if self.block_pool is None or not self.single_group:
+            return None
+        blocks = self.block_pool.get_cached_block(block_hash, [0])
+        return None if blocks is None else blocks[0].block_id
+
+    def _pin_session(self, request_id: str, block_ids: list[int]) -> None:
+        """Hold the session blocks a claim reads (vLLM's allocation for it may evict cached blocks)
+        until the workers have read them; a claim asked again drops its previous pins."""
+        self._unpin_session(request_id)
+        if block_ids:
+            self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
+            self.session_pins[request_id] = list(block_ids)
+
+    def _unpin_session(self, request_id: str) -> None:
+        self._release(self.session_pins.pop(request_id, []))
+        entry = self.store_pins.pop(request_id, None)
+        if entry is not None:
+            self.store_index.unpin(entry)
+
+    def on_new_request(self, request) -> None:
+        try:
+            tag = RoundTag.parse(request.kv_transfer_params)
+        except RoundParamsError as exc:
+            logger.warning("TokenDanceConnector: request %s computed exactly: %s", request.request_id, exc)
+            return
+        if tag is None:
+            return
+        if not request.cache_salt:
+            logger.warning("TokenDanceConnector: request %s of round %r has no cache_salt: computed exactly "
+                           "(reused KV enters the prefix cache only under the agent's own salt)",
+                           request.request_id, tag.round_id)
+            return
+        self.book.add(request.request_id, tag, list(request.prompt_token_ids or []), salt=request.cache_salt)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.book.find(request.request_id) is None:
+            return 0, False
+        count = self.book.claim(request.request_id, num_computed_tokens)
+        if count:
+            member = self.book.find(request.request_id)
+            self._pin_session(request.request_id, member.session_blocks)
+            if member.store_entry is not None:
+                self.store_index.pin(member.store_entry)
+                self.store_pins[request.request_id] = member.store_entry
+        return count, bool(count) and self.settings.pass_tokens_per_step > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        member = self.book.commit(request.request_id, num_external_tokens)
+        if member is not None:
+            member.block_ids[:] = blocks.get_block_ids()[0]  # before any load reads a piece it provides
+            self.pending[request.request_id] = member
+        else:
+            self._unpin_session(request.request_id)
+
+    def build_orders(self, scheduler_output) -> StepOrders:
+        """This step's work for the workers; the book's step ends."""
+        orders = StepOrders()
+        for request_id, member in self.pending.items():
+            start, end = member.claim
+            orders.loads.append(MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
+                                           self.book.loads_for(member), member.tag.recompute_ratio))
+            self.in_flight[request_id] = member
+            pinned = self.book.sent(member)  # pieces no master computes, which later members read from its blocks
+            if pinned:
+                self.block_pool.touch([self.block_pool.blocks[i] for i in pinned])
+        if self.store_index is not None:  # the pieces the store keeps as masters, once these passes ran
+            for load in orders.loads:
+                load.masters = self.book.master_pieces(self.pending[load.request_id])
+                load.round_serial = self.book.round_of(load.request_id)
+        self.pending.clear()
+        if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
+            self._filled(list(self.in_flight))
+        elif any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
+            orders.budget = self.settings.pass_tokens_per_step  # someone decodes: advance the passes by slices
+        self._watch_masters(scheduler_output)
+        self._release(self.book.releasable())
+        self.book.next_step()
+        if self.store_index is not None:
+            orders.saves, orders.drops, orders.closes = self.store_index.take_orders()
+        return orders
+
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.invalid_block_ids:
+            self.book.failed_blocks(set(connector_output.invalid_block_ids))
+        self._filled(connector_output.finished_recving or ())
+        if self.store_index is not None:
+            report = connector_output.kv_connector_worker_meta
+            self.store_index.reported(connector_output.finished_sending or (), getattr(report, "sizes", {}),
+                                      getattr(report, "total_bytes", None))
+
+    def has_pending_push_work(self) -> bool:
+        return self.store_index is not None and self.store_index.busy
+
+    def _filled(self, request_ids) -> None:
+        """The workers finished these mirrors' passes: the sources they read are free to go."""
+        for request_id in request_ids:
+            member = self.in_flight.pop(request_id, None)
+            if member is not None:
+                member.filled = True
+            self._unpin_session(request_id)
+        self._release(self.book.releasable())
+
+    def _watch_masters(self, scheduler_output) -> None:
+        """Masters whose prompt is computed in this step: their blocks are pinned until the round's
+        mirrors have been filled (the workers run this step before any later one)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for master in self.book.masters_to_watch():
+            done = computed.get(master.request_id)
+            if done is None:
+                continue
+            done += scheduler_output.num_scheduled_tokens.get(master.request_id, 0)
+            if done >= len(master.token_ids) - 1:
+                block_ids = self.kv_cache_manager().get_block_ids(master.request_id)[0]
+                self.book.mark_ready(master.request_id, block_ids)
+                self.block_pool.touch([self.block_pool.blocks[i] for i in block_ids])
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Unpin, tails first: as vLLM frees a request's blocks, so a prompt's first blocks (the
+        agent's session for its next round) are evicted last."""
+        if block_ids:
+            self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(block_ids)])
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        member = self.book.find(request.request_id)
+        self.pending.pop(request.request_id, None)
+        if request.request_id not in self.in_flight:  # else its pass still reads them (vLLM keeps its blocks)
+            self._unpin_session(request.request_id)
+        if member is None:
+            return False, None
+        closed = self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
+        self._release(self.book.releasable())
+        claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
+        saving = self._save(request, member, block_ids)
+        if closed is not None and self.store_index is not None:
+            self.store_index.closes.append(closed)
+        return saving, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
+
+    def _save(self, request, member, block_ids: list[int]) -> bool:
+        """Keep a finished member's KV in the store (its blocks held until the workers copied
+        them); not a mirror whose pass is still running, nor one the store cannot name."""
+        length = min(request.num_computed_tokens, len(block_ids) * self.book.block_size)
+        if (self.store_index is None or not member.salt or length <= 0
+                or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
+            return False
+        pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
+        self.store_index.save((member.tag.namespace, member.tag.agent_id), member.salt,
+                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id)
+        return True
+
+    def take_counters(self) -> dict[str, float]:
+        """What the rounds and the store's index did since the last call."""
+        counters = self.book.take_counters()
+        if self.store_index is not None:
+            for key, value in self.store_index.take_counters().items():
+                counters[key] = counters.get(key, 0) + value
+        return counters

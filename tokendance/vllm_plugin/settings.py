@@ -1,0 +1,49 @@
+"""The connector's settings (`kv_connector_extra_config`), validated by name, shared by its two
+sides; plain Python (no vLLM import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, SELECTIONS
+from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
+from tokendance.reuse.selection import SCORES, make_selector
+
+
+@dataclass
+class Settings:
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO  # the engine's defaults: one choice for both front doors
+    selection: str = DEFAULT_SELECTION
+    check_layer: int = 1
+    round_timeout_s: float = 0.25
+    hold_timeout_s: float = 30.0
+    claim_tokens_per_step: int = 8192
+    # >0: asynchronous passes, sliced while requests decode (measured slower on CPU: docs/vllm-plugin.md)
+    pass_tokens_per_step: int = 0
+    anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
+    store_gib: float = 0.0  # the session store's budget (0: no store)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
+        extra = dict(extra or {})
+        unknown = set(extra) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                             f"known: {sorted(cls.__dataclass_fields__)}")
+        settings = cls(**extra)
+        for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s",
+                     "store_gib"):
+            value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type
+            numeric = (int,) if kind in (int, "int") else (int, float)
+            if isinstance(value, bool) or not isinstance(value, numeric) or value < 0:
+                raise ValueError(f"TokenDanceConnector: {name} must be a non-negative "
+                                 f"{'integer' if numeric == (int,) else 'number'}, got {value!r}")
+        if not valid_anchors(settings.anchors):
+            raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
+        selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both
+        if selector.score not in (None, "deviation"):  # the worker's check pass measures key deviation only
+            usable = [name for name in SELECTIONS if make_selector(name, 0.0).score in (None, "deviation")]
+            raise ValueError(f"TokenDanceConnector: selection {settings.selection!r} ranks tokens by "
+                             f"{SCORES[selector.score]}, which the plugin does not measure; use one of {usable}")
+        return settings
