@@ -17,7 +17,7 @@ from tests.model.families import FAMILIES, save_tokenizer, write_family, write_g
 from tokendance import LLM, SamplingParams
 from tokendance.errors import ModelLoadError
 from tokendance.model.llama import apply_rope, rope_inverse_frequencies, rope_tables
-from tokendance.model.attention import rotate_pairs
+from tokendance.model.kv_math import rotate_pairs
 from tokendance.model.loader import load_model
 
 pytestmark = pytest.mark.model  # random weights, but whole models run

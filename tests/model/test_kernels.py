@@ -11,7 +11,7 @@ import torch
 from tests.helpers import LOGIT_ATOL, built_kernel, round_turns
 from tokendance import SamplingParams
 from tokendance.model import kernels
-from tokendance.model.attention import rotate_pairs
+from tokendance.model.kv_math import rotate_pairs
 from tokendance.model.platform import cpu_flags
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=True)  # every decode step's logits

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokendance.model import kernels
+from tokendance.model.kv_math import rotate_pairs
 
 @dataclass
 class KeyRotation:
@@ -77,13 +78,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     prefills: list[PrefillAttention]
     decode: DecodeAttention | None
-
-
-def rotate_pairs(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each rotary pair (j, j + D/2) of float keys [N, H, D] by angles with cos/sin [N, 1, D/2]."""
-    half = keys.shape[-1] // 2
-    first, second = keys[..., :half], keys[..., half:]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
 def gather_rotated_keys(cache: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tokendance.batch import SchedulerOutput, ScheduledRequest
-from tokendance.model.attention import AttentionMetadata, DecodeAttention, PrefillAttention, rotate_pairs
+from tokendance.model.attention import AttentionMetadata, DecodeAttention, PrefillAttention
+from tokendance.model.kv_math import key_deviation, rotate_pairs
 from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.sampling import Sampler, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from tokendance.structured import GrammarCompiler
@@ -161,7 +162,7 @@ class ModelRunner:
                 continue
             encodings = [values.index_select(0, src).float() for src in srcs]
             mean = sum(encodings) / len(srcs)
-            spread += sum((e - mean).pow(2).sum(dim=(1, 2)) for e in encodings)
+            spread += sum(key_deviation(e, mean) for e in encodings)
             values.index_copy_(0, dst, mean.to(values.dtype))
         self.kv_cache.positions.index_copy_(0, dst, positions)
         return spread

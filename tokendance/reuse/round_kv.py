@@ -24,6 +24,7 @@ import torch
 from tokendance.batch import ScheduledRequest
 from tokendance.errors import CapacityError
 from tokendance.kv.manager import KVCacheManager, MasterKey, PrefixHit, RecallKey, ScratchKey
+from tokendance.model.kv_math import key_deviation
 from tokendance.model.runner import ModelRunner
 from tokendance.reuse.segments import PromptSpan, TokenizedTurn
 from tokendance.reuse.selection import Selector
@@ -287,7 +288,7 @@ class RoundKV:
 
     def deviation(self, fresh: torch.Tensor, slots: list[int], positions: range) -> torch.Tensor:
         cached = self.runner.read_keys(self.check_layer, slots, list(positions))
-        return (fresh - cached).pow(2).sum(dim=(1, 2))  # [num_tokens]
+        return key_deviation(fresh, cached)  # [num_tokens]
 
     def span_scores(self, checked: Checked, rows: slice, slots: list[int], positions: range) -> torch.Tensor:
         """What the selector ranks a reused span's tokens by (`Selector.score`), from the check

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokendance.model import kernels
+from tokendance.model.kv_math import angles_between, key_deviation, rotate_pairs, weighted_mean
 from tokendance.vllm_plugin.cpu_ops import fused_pointwise
 from tokendance.reuse.selection import Selector, make_selector
 from tokendance.vllm_plugin.layouts import PagedLayout
@@ -55,15 +56,8 @@ class KeyRotator:
 
     def __call__(self, keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """keys [N, H, D] cached at positions src [N], as computed at dst [N] (float32 math)."""
-        half = self.rotary_dim // 2
-        c0, s0 = self.table[src, :half], self.table[src, half:]
-        c1, s1 = self.table[dst, :half], self.table[dst, half:]
-        norm = c0 * c0 + s0 * s0
-        cos = ((c1 * c0 + s1 * s0) / norm).float()[:, None, :]  # [N, 1, r/2]
-        sin = ((s1 * c0 - c1 * s0) / norm).float()[:, None, :]
-        k = keys.float()
-        a, b = k[..., :half], k[..., half:self.rotary_dim]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin, k[..., self.rotary_dim:]], dim=-1).to(keys.dtype)
+        cos, sin = angles_between(self.table, src, dst)
+        return rotate_pairs(keys.float(), cos, sin, self.rotary_dim).to(keys.dtype)
 
 
 @dataclass
@@ -81,11 +75,9 @@ class Sources:
         if len(self.slots) == 1:  # one encoding: a copy
             keys, values = layout.read(self.slots[0])
             return rotate(keys, self.positions[0], at), values
-        keys = values = 0.0
-        for slots, positions, weight in zip(self.slots, self.positions, self.weights):
-            k, v = layout.read(slots)
-            keys = keys + rotate(k.float(), positions, at) * weight[:, None, None]
-            values = values + v.float() * weight[:, None, None]
+        read = [layout.read(slots) for slots in self.slots]
+        keys = weighted_mean([rotate(k.float(), p, at) for (k, _), p in zip(read, self.positions)], self.weights)
+        values = weighted_mean([v for _, v in read], self.weights)
         dtype = layout.cache.dtype
         return keys.to(dtype), values.to(dtype)
 
@@ -334,7 +326,7 @@ class MirrorPass:
                         cached = self.rotate(keys[:, self.check_layer], held.positions[0], d_pos)
                     else:
                         cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
-                    deviation = (fresh[rows].float() - cached.float()).pow(2).sum(dim=(1, 2))
+                    deviation = key_deviation(fresh[rows], cached)
                 chosen = torch.zeros(span.length, dtype=torch.bool)
                 chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
                 reused = ~chosen
