@@ -91,7 +91,8 @@ def test_a_round_through_v1_rounds_answers_what_plain_chat_answers(server):
                                                          "temperature": 0})
     assert [o["agent_id"] for o in reply["outputs"]] == [t["agent_id"] for t in turns]
     assert reply["object"] == "round" and reply["stats"]["num_agents"] == 4
-    assert reply["usage"]["cached_tokens"] > 0  # the mirrors' claimed tokens
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the mirrors' claimed tokens
+    assert reply["round"]["num_agents"] == 4 and reply["round"]["round_id"] == reply["id"]
     plain = [chat(server, t["messages"], cache_salt=f"plain-{t['agent_id']}") for t in turns]
     assert [o["message"]["content"] for o in reply["outputs"]] == [p.choices[0].message.content for p in plain]
 
@@ -117,15 +118,24 @@ def test_chat_requests_with_round_fields_form_a_round(server):
 
 
 def test_malformed_round_fields_are_refused_with_their_field(server):
+    """The round protocol `tokendance serve` speaks (`round_protocol.py`): the same limits and
+    refused fields, named as it names them."""
     messages = agents(1, seed=12)[0]["messages"]
     for extra, param in (({"agent_id": ""}, "agent_id"), ({"agent_id": "a", "round_size": 2}, "round_size"),
-                         ({"agent_id": "a", "round_id": "r", "round_size": "two"}, "round_size")):
+                         ({"agent_id": "a", "round_id": "r", "round_size": "two"}, "round_size"),
+                         ({"agent_id": "a", "round_id": "r", "round_size": 4097}, "round_size"),
+                         ({"agent_id": "a", "cache_salt": "x" * 1025}, "cache_salt")):
         with pytest.raises(openai.BadRequestError) as refused:
             chat(server, messages, **extra)
         assert refused.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as refused:
-        server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": agents(2, seed=12), "stream": True})
-    assert refused.value.body["param"] == "agents.0.stream"
+    two = agents(2, seed=12)
+    for body, param in (({"stream": True}, "stream"), ({"logprobs": True}, "logprobs"), ({"n": 2}, "n"),
+                        ({"agents": [{**two[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, two[1]]},
+                         "agents.0.tools"),
+                        ({"agents": [two[0], {**two[1], "model": "other"}]}, "agents.1.model")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": two, **body})
+        assert refused.value.body["param"] == param
 
 
 def test_bench_target_reads_the_session_store(server, tmp_path):

@@ -20,6 +20,7 @@ from tokendance.errors import (
     InvalidRequestError,
     TokenDanceError,
 )
+from tokendance.round_protocol import MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, refusal, refused_field
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokendance.server.tool_formats import ToolFormat
 from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
@@ -229,10 +230,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    agent_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
-    round_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
-    round_size: StrictInt | None = Field(default=None, ge=1, le=4096)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    agent_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    round_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    round_size: StrictInt | None = Field(default=None, ge=1, le=MAX_AGENTS)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
@@ -274,11 +275,12 @@ class CompletionRequest(SamplingFields):
 class RoundAgent(SamplingFields):
     """One agent of a /v1/rounds request; its sampling fields override the round's."""
 
-    agent_id: StrictStr = Field(min_length=1, max_length=256)
+    agent_id: StrictStr = Field(min_length=1, max_length=MAX_ID_CHARS)
     messages: list[ChatMessage] = Field(min_length=1)
-    # The agent's own tenancy: its session and prefix-cache reads and writes in this salt's
-    # namespace; shared spans are reused only among the round's agents of one namespace.
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    # The agent's own tenancy (over the round's: `round_protocol.turn_salt`): its session and
+    # prefix-cache reads and writes in this salt's namespace; shared spans are reused only among
+    # the round's agents of one namespace.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -289,21 +291,16 @@ class RoundAgent(SamplingFields):
 
 
 def reject_round_fields(body: SamplingFields) -> None:
-    """Chat fields a round does not serve (it never ignores them silently)."""
-    fields = {**(body.model_extra or {}), "prompt_logprobs": body.prompt_logprobs}
-    for name in ("tools", "tool_choice", "stream", "logprobs", "top_logprobs", "prompt_logprobs"):
-        value = fields.get(name)
-        if not (value is None or value is False or value == [] or value == ""):
-            hint = (" stream each agent's chat request instead (with round_id and round_size)" if name == "stream"
-                    else " send the agent's turn as a chat request with round_id and round_size")
-            raise ApiError(400, f"/v1/rounds does not support {name};{hint}", param=name,
-                           code="unsupported_parameter")
+    """Chat fields a round does not serve (it never ignores them silently): `round_protocol`."""
+    name = refused_field({**(body.model_extra or {}), "prompt_logprobs": body.prompt_logprobs})
+    if name is not None:
+        raise ApiError(400, refusal(name), param=name, code="unsupported_parameter")
 
 
 class RoundRequest(SamplingFields):
     model: str
-    agents: list[RoundAgent] = Field(min_length=1, max_length=4096)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    agents: list[RoundAgent] = Field(min_length=1, max_length=MAX_AGENTS)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
     def check_supported(self) -> None:
         super().check_supported()

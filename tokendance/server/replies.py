@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from tokendance.outputs import RequestOutput
+from tokendance.round_protocol import round_answer
 from tokendance.sampling import TokenLogprobs
 from tokendance.server.tools import Tools, parse_tool_calls
 
@@ -135,15 +136,9 @@ def round_output(agent_id: str, output: RequestOutput) -> dict:
 
 def round_response(request_id: str, model: str, agent_ids: list[str], outputs: list[RequestOutput],
                    round_info: dict, stats) -> dict:
-    return {
-        "id": request_id,
-        "object": "round",
-        "created": int(time.time()),
-        "model": model,
-        "round": round_info,
-        "outputs": [round_output(a, o) for a, o in zip(agent_ids, outputs)],
-        "usage": usage(outputs),
-        "stats": {
+    """The /v1/rounds answer, in the shape both front doors give (`round_protocol.round_answer`)."""
+    return round_answer(
+        request_id, model, [round_output(a, o) for a, o in zip(agent_ids, outputs)], **round_info, stats={
             "mode": stats.mode,
             "num_agents": stats.num_agents,
             "num_waves": stats.num_waves,
@@ -156,8 +151,7 @@ def round_response(request_id: str, model: str, agent_ids: list[str], outputs: l
             "compression": stats.compression,
             "shared_compression": stats.shared_compression,
             "diff_blocks": stats.diff_blocks,
-        },
-    }
+        })
 
 
 def sse(data: dict | str) -> str:

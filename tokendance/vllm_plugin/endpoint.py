@@ -8,6 +8,9 @@
   `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`.
 - `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
   turn is one chat request to this same server (through the middleware), all at once.
+
+Both speak `tokendance serve`'s round protocol (`tokendance/round_protocol.py`): the same limits,
+the same refused fields, the agent's own `cache_salt` over the round's, the same answer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
+from tokendance.round_protocol import MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, refusal, refused_field, round_answer, turn_salt
 
 ROUND_FIELDS = ("agent_id", "round_id", "round_size")
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -43,15 +48,17 @@ def tag_body(body: dict) -> dict:
     if not fields:
         return body
     agent_id, round_id, size = fields.get("agent_id"), fields.get("round_id"), fields.get("round_size")
-    if not isinstance(agent_id, str) or not 0 < len(agent_id) <= 256:
-        raise FieldError("agent_id must be a string of 1 to 256 characters (it names the agent's session)", "agent_id")
-    if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= 256):
-        raise FieldError("round_id must be a string of 1 to 256 characters", "round_id")
-    if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise FieldError("round_size must be a positive integer, with round_id", "round_size")
+    if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_CHARS:
+        raise FieldError(f"agent_id must be a string of 1 to {MAX_ID_CHARS} characters (it names the agent's "
+                         "session)", "agent_id")
+    if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ID_CHARS):
+        raise FieldError(f"round_id must be a string of 1 to {MAX_ID_CHARS} characters", "round_id")
+    if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int)
+                             or not 1 <= size <= MAX_AGENTS):
+        raise FieldError(f"round_size must be an integer in [1, {MAX_AGENTS}], with round_id", "round_size")
     salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise FieldError("cache_salt must be a string", "cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
+        raise FieldError(f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", "cache_salt")
     body["cache_salt"] = agent_salt(agent_id, salt)
     if round_id is not None:
         params = body.get("kv_transfer_params") or {}
@@ -170,8 +177,11 @@ def round_requests(body) -> list[dict]:
     if not isinstance(body, dict):
         raise FieldError("the body must be an object", None)
     agents = body.get("agents")
-    if not isinstance(agents, list) or not agents:
-        raise FieldError("agents must be a non-empty list of {agent_id, messages}", "agents")
+    if not isinstance(agents, list) or not 0 < len(agents) <= MAX_AGENTS:
+        raise FieldError(f"agents must be a list of 1 to {MAX_AGENTS} {{agent_id, messages}}", "agents")
+    name = refused_field(body)
+    if name is not None or body.get("n", 1) not in (1, None):
+        raise FieldError(refusal(name) if name else "n must be 1 in a round (one turn per agent)", name or "n")
     ids = [a.get("agent_id") if isinstance(a, dict) else None for a in agents]
     if len(set(map(str, ids))) != len(ids):
         raise FieldError("agent ids of a round must be distinct", "agents")
@@ -182,12 +192,15 @@ def round_requests(body) -> list[dict]:
         if not isinstance(agent, dict) or not isinstance(agent.get("messages"), list) or not agent["messages"]:
             raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.messages")
         request = {**shared, **agent, "round_id": round_id, "round_size": len(agents)}
-        for name, wanted in (("stream", False), ("n", 1), ("tools", None)):
-            if request.get(name, wanted) not in (wanted, None, []):
-                raise FieldError(f"/v1/rounds does not support {name}; send each agent's chat request "
-                                 "(with round_id and round_size) instead", f"agents.{i}.{name}")
-        if body.get("cache_salt") is not None:
-            request["cache_salt"] = body["cache_salt"]
+        name = refused_field(agent)
+        if name is not None or agent.get("n", 1) not in (1, None):
+            raise FieldError(refusal(name) if name else "n must be 1 in a round (one turn per agent)",
+                             f"agents.{i}.{name or 'n'}")
+        if agent.get("model") not in (None, body.get("model")):
+            raise FieldError("model cannot differ per agent: a round runs on the request's model", f"agents.{i}.model")
+        salt = turn_salt(body.get("cache_salt"), agent.get("cache_salt"))
+        if salt is not None:
+            request["cache_salt"] = salt
         try:
             tag_body(dict(request))  # validated here, rewritten by the middleware on the way in
         except FieldError as exc:
@@ -197,17 +210,8 @@ def round_requests(body) -> list[dict]:
 
 
 def round_response(body: dict, requests: list[dict], outputs: list[dict], seconds: float) -> dict:
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-    entries = []
-    for request, output in zip(requests, outputs):
-        choice = output["choices"][0]
-        used = output.get("usage") or {}
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            usage[key] += used.get(key) or 0
-        usage["cached_tokens"] += (used.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        entries.append({"agent_id": request["agent_id"], "message": choice["message"],
-                        "finish_reason": choice["finish_reason"], "usage": used})
-    return {"id": requests[0]["round_id"], "object": "round", "created": int(time.time()),
-            "model": outputs[0].get("model"), "round": {"round_id": requests[0]["round_id"], "round_size": len(requests)},
-            "outputs": entries, "usage": usage,
-            "stats": {"mode": "vllm+tokendance", "num_agents": len(requests), "round_seconds": seconds}}
+    entries = [{"agent_id": request["agent_id"], "message": output["choices"][0]["message"],
+                "finish_reason": output["choices"][0]["finish_reason"], "usage": output.get("usage") or {}}
+               for request, output in zip(requests, outputs)]
+    return round_answer(requests[0]["round_id"], outputs[0].get("model"), entries,
+                        {"mode": "vllm+tokendance", "num_agents": len(requests), "round_seconds": seconds})
