@@ -12,7 +12,7 @@ import sys
 import time
 
 from tokendance import registry
-from tokendance.errors import InvalidRequestError, TokenDanceError
+from tokendance.errors import InvalidRequestError, TokenDanceError, error_line
 
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's default is shown, unless its help already tells it or it has none."""
@@ -47,14 +47,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 1
-
-
-def error_line(exc: BaseException) -> str:
-    """What went wrong in one line: our own errors say it themselves; others are named by type."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, TokenDanceError):
-        return text
-    return f"{type(exc).__name__}: {text} (run with --debug for the traceback)"
 
 
 def build_parser() -> argparse.ArgumentParser:

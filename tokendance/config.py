@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from tokendance import registry
-from tokendance.model.rope import RopeScaling
 from tokendance.errors import InvalidRequestError
-from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
+from tokendance.registry import MAX_ANCHORS, valid_anchors
+
+if TYPE_CHECKING:  # a type only: the configuration imports nothing of the model
+    from tokendance.model.rope import RopeScaling
 
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 

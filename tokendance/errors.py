@@ -30,3 +30,11 @@ class CapacityError(InvalidRequestError):
 
 class ModelLoadError(TokenDanceError, ValueError):
     """The model path is missing, is not a model, or holds an unsupported architecture."""
+
+
+def error_line(exc: BaseException) -> str:
+    """What went wrong in one line: our own errors say it themselves; others are named by type."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, TokenDanceError):
+        return text
+    return f"{type(exc).__name__}: {text} (run with --debug for the traceback)"

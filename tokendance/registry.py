@@ -87,3 +87,11 @@ def describe(choices: dict) -> str:
     """'name: help; ...' for a CLI option's help (argparse formats it: a % is doubled)."""
     text = "; ".join(f"{name}: {c if isinstance(c, str) else c.help}" for name, c in choices.items())
     return text.replace("%", "%%")
+
+
+MAX_ANCHORS = 8  # in-round anchors per span, at most
+
+
+def valid_anchors(value) -> bool:
+    """An in-round anchor count: an integer in [1, MAX_ANCHORS]."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ANCHORS

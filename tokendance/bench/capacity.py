@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tokendance.bench.cli import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
+from tokendance.bench.options import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
 from tokendance.bench.simulation import Simulation, warm_up
 from tokendance.errors import CapacityError
 from tokendance.llm import LLM

@@ -14,20 +14,9 @@ from __future__ import annotations
 import argparse
 
 from tokendance import registry
-from tokendance.server.cli import parse_bytes
+from tokendance.bench.options import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
+from tokendance.cli_types import mebibytes, parse_bytes
 from tokendance.workloads import WORKLOADS
-
-CAPACITY_KV_BYTES = 160 * 2**20  # capacity's default budget
-
-
-def capacity_modes() -> list[str]:
-    """The modes the capacity search compares by default: those that keep or share KV."""
-    return [name for name, choice in registry.REUSE_POLICIES.items() if choice.reuses]
-
-
-def mebibytes(text: str) -> int:
-    return int(float(text) * 2**20)
-
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity"],
@@ -91,11 +80,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip each in-process engine's two untimed warm-up rounds (then the first timed round "
                              "also pays for compiling kernels)")
-
-
-def kv_bytes(args) -> int | None:
-    """The KV pool the bench was given, None for its default ("auto" included)."""
-    return None if args.kv_cache_bytes in (None, "auto") else args.kv_cache_bytes
 
 
 def run_bench(args) -> int:

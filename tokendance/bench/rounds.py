@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from tokendance.bench import fidelity, report
 from tokendance.bench.fidelity import release
-from tokendance.bench.cli import kv_bytes
+from tokendance.bench.options import kv_bytes
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.config import REUSE_MODES
 from tokendance.llm import LLM

@@ -37,14 +37,6 @@ def choose_masters(spans_of: Sequence[Mapping[bytes, int]]) -> list[int]:
     return masters
 
 
-MAX_ANCHORS = 8  # in-round anchors per span, at most
-
-
-def valid_anchors(value) -> bool:
-    """An in-round anchor count: an integer in [1, MAX_ANCHORS]."""
-    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ANCHORS
-
-
 def choose_anchors(spans_of: Sequence[Mapping[bytes, int]], anchors: int) -> list[int]:
     """`choose_masters` `anchors` times, each over the agents not chosen yet: a span that enough
     agents hold is computed in full in up to `anchors` of their contexts (the first are the

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 from tokendance import registry
+from tokendance.cli_types import parse_bytes
 from tokendance.server.tool_formats import TOOL_CALL_FORMATS
-
-SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'1048576', '512M', '512MiB', '2G' -> bytes (binary units)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2G)")
-    return int(match.group(1)) * SIZE_UNITS[match.group(2).upper()]
-
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
@@ -170,7 +157,7 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
     if failure:
         if args.debug:
             raise failure[0]
-        from tokendance.cli import error_line
+        from tokendance.errors import error_line
 
         print(f"error: {error_line(failure[0])}", file=sys.stderr)
         return 1

@@ -27,7 +27,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokendance.reuse.planning import MAX_ANCHORS, choose_anchors, valid_anchors
+from tokendance.registry import MAX_ANCHORS, valid_anchors
+from tokendance.reuse.planning import choose_anchors
 from tokendance.reuse.segments import segment_key
 from tokendance.vllm_plugin.plan import ReusedSpan
 from tokendance.vllm_plugin.store import StoreIndex

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.registry import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, SELECTIONS
-from tokendance.reuse.planning import MAX_ANCHORS, valid_anchors
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, MAX_ANCHORS, SELECTIONS, valid_anchors
 from tokendance.reuse.selection import SCORES, make_selector
 
 
