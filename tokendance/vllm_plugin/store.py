@@ -222,6 +222,7 @@ class StoreIndex:
         self.closes: list[int] = []  # rounds whose members are all finished (their saves sent first)
         self.sending: set[str] = set()  # saves sent, not reported done
         self.total_bytes = 0  # as the workers last reported (plus estimates of saves not reported)
+        self.ratio = 1.0  # the store's bytes over the dense bytes of what it holds, as last reported
         self.counters: dict[str, int] = {}
 
     def save(self, agent: tuple[str, str], salt: str | None, token_ids: list[int], block_ids: list[int],
@@ -230,7 +231,8 @@ class StoreIndex:
         old = self.latest.pop(agent, None)
         if old is not None:
             self._retire(old)
-        stored = StoredAgent(entry, salt, list(token_ids), len(token_ids) * self.bytes_per_token)
+        # its bytes until the workers report them: dense, times what the store has saved so far
+        stored = StoredAgent(entry, salt, list(token_ids), int(len(token_ids) * self.bytes_per_token * self.ratio))
         self.latest[agent] = self.entries[entry] = stored
         self.total_bytes += stored.nbytes
         self.orders.append(SaveOrder(entry, list(block_ids), len(token_ids), pieces))
@@ -285,6 +287,8 @@ class StoreIndex:
             if entry in self.entries and nbytes >= 0:
                 self.entries[entry].nbytes = nbytes
         if total_bytes is not None:
+            dense = sum(len(s.token_ids) for s in self.entries.values() if s.saved) * self.bytes_per_token
+            self.ratio = min(1.0, total_bytes / dense) if dense else 1.0
             estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
             self.total_bytes = total_bytes + estimated
 
