@@ -93,6 +93,8 @@ def test_a_piece_captured_from_its_master_leaves_mirrors_only_the_rows_they_reco
     assert len(store.sessions["master"].diff_index) == 0 and store.masters[b"P"].holders == 3
     store.close_round(1)
     assert set(store.masters) == {b"P"}  # Q: captured, read by no entry
+    store.capture(b"R", lambda i: (master[i][0][:5], master[i][1][:5]), 0, 5, round_serial=1)
+    assert b"R" not in store.masters  # a pass that ended after its round closed keeps nothing
     for agent, held in mirrors.items():
         assert torch.equal(store.rows(agent, 0, 100)[0][:, 2], held[2][0])
 

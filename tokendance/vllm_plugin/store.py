@@ -78,6 +78,7 @@ class SessionStore:
         self.min_piece_tokens = min_piece_tokens
         self.masters: dict[bytes, MasterPiece] = {}
         self.sessions: dict[str, StoredSession] = {}
+        self.closed_rounds: set[int] = set()
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +96,7 @@ class SessionStore:
         piece's master, as the mirrors of its round copy it: their saves then differ from it only
         where they recomputed (a master taken from a mirror would differ everywhere, by the
         rounding of a second re-rotation). Unread by any entry, it goes when its round closes."""
-        if key in self.masters:
+        if key in self.masters or round_serial in self.closed_rounds:  # (a pass that ended after its round)
             return
         layers = [read(index) for index in range(self.num_layers)]
         self.masters[key] = MasterPiece(torch.stack([k for k, _ in layers], dim=1), torch.stack([v for _, v in layers], dim=1),
@@ -104,6 +105,7 @@ class SessionStore:
     def close_round(self, round_serial: int) -> int:
         """The round's members are all saved (or never will be): its captured masters no entry
         reads go. The bytes freed."""
+        self.closed_rounds.add(round_serial)
         unread = [key for key, m in self.masters.items() if m.round_serial == round_serial and m.holders == 0]
         return sum(self.masters.pop(key).nbytes for key in unread)
 
