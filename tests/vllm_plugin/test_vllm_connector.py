@@ -313,7 +313,8 @@ def test_malformed_numeric_settings_are_refused_by_name():
     from tokendance.vllm_plugin.connector import Settings
 
     for name, bad in (("pass_tokens_per_step", "256"), ("pass_tokens_per_step", -1), ("claim_tokens_per_step", 1.5),
-                      ("check_layer", True), ("hold_timeout_s", "30"), ("round_timeout_s", -0.1)):
+                      ("check_layer", True), ("hold_timeout_s", "30"), ("round_timeout_s", -0.1),
+                      ("store_gib", "1"), ("store_gib", -0.5)):
         with pytest.raises(ValueError, match=name):
             Settings.from_extra({name: bad})
     assert Settings.from_extra({"pass_tokens_per_step": 256, "round_timeout_s": 1}).pass_tokens_per_step == 256
