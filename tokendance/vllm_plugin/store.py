@@ -79,10 +79,7 @@ class SessionStore:
         self.masters: dict[bytes, MasterPiece] = {}
         self.sessions: dict[str, StoredSession] = {}
         self.closed_rounds: set[int] = set()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.masters.values()) + sum(s.nbytes for s in self.sessions.values())
+        self.nbytes = 0  # masters' and sessions' bytes, kept as they come and go
 
     def _moved(self, master: MasterPiece, rows: slice, at: torch.Tensor) -> torch.Tensor:
         """The master's keys of `rows`, every layer, re-rotated to positions `at`."""
@@ -101,13 +98,16 @@ class SessionStore:
         layers = [read(index) for index in range(self.num_layers)]
         self.masters[key] = MasterPiece(torch.stack([k for k, _ in layers], dim=1), torch.stack([v for _, v in layers], dim=1),
                                         torch.arange(start, end), round_serial=round_serial)
+        self.nbytes += self.masters[key].nbytes
 
     def close_round(self, round_serial: int) -> int:
         """The round's members are all saved (or never will be): its captured masters no entry
         reads go. The bytes freed."""
         self.closed_rounds.add(round_serial)
         unread = [key for key, m in self.masters.items() if m.round_serial == round_serial and m.holders == 0]
-        return sum(self.masters.pop(key).nbytes for key in unread)
+        freed = sum(self.masters.pop(key).nbytes for key in unread)
+        self.nbytes -= freed
+        return freed
 
     def save(self, entry: str, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], length: int,
              pieces: Sequence[tuple[bytes, int, int]]) -> int:
@@ -130,6 +130,7 @@ class SessionStore:
             if master is None:  # the first agent saved that holds this piece is its master
                 master = self.masters[key] = MasterPiece(keys[start:end].clone(), values[start:end].clone(),
                                                          torch.arange(start, end))
+                self.nbytes += master.nbytes
             elif len(master.positions) != end - start:  # a key collision would be a wrong block: never reuse it
                 continue
             else:
@@ -143,6 +144,7 @@ class SessionStore:
         diff = changed.nonzero()  # [d, 2]: position, layer
         self.sessions[entry] = StoredSession(length, refs, own, keys[own], values[own], diff,
                                              keys[diff[:, 0], diff[:, 1]], values[diff[:, 0], diff[:, 1]])
+        self.nbytes += self.sessions[entry].nbytes
         return self.nbytes - before
 
     def rows(self, entry: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +184,7 @@ class SessionStore:
             master.holders -= 1
             if master.holders == 0:
                 freed += self.masters.pop(key).nbytes
+        self.nbytes -= freed
         return freed
 
 

@@ -239,6 +239,7 @@ class MirrorPass:
             # 2. selection and 3. the copy of the sources' K/V for the tokens not selected (from a
             # mirror of this pass, layer by layer in 4., once that mirror's rows are written)
             copies, late = self._select(loads, batch, fresh, keep)
+            self.restored = {}  # read by the selection only: not held until the next pass
             clock.lap("select")
             later = range(c + 1, len(self.layers))
             if copies is not None:

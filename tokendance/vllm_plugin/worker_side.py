@@ -82,7 +82,8 @@ class WorkerSide:
     def _capture(self, loads: list[MirrorLoad]) -> None:
         """The pieces these mirrors read from the members that computed them (masters, first
         holders: still pinned), into the store as those pieces' masters."""
-        store, before = self._store(), self._store().nbytes
+        store = self._store()
+        before = store.nbytes
         layouts = self._pass().layouts
         for load in loads:
             for key, block_ids, start, length in load.masters:
