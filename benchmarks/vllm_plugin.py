@@ -47,10 +47,12 @@ def start(name: str, port: int, args, log) -> subprocess.Popen:
     command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_folder()),
                "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                "--max-model-len", "8192", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details"]
+    command += getattr(args, "vllm_args", [])
     if name == "vllm+tokendance":
         env["VLLM_PLUGINS"] = "tokendance"
         config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"recompute_ratio": args.ratio}}
+                  "kv_connector_extra_config": {"recompute_ratio": args.ratio,
+                                                "store_gib": getattr(args, "store_gib", 0)}}
         command += ["--kv-transfer-config", json.dumps(config)]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 

@@ -13,8 +13,9 @@ import torch
 
 from tokendance import LLM
 from tokendance.model.loader import default_model_path, load_model, load_tokenizer
+from tests.helpers import THREADS
 
-torch.set_num_threads(2)
+torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(items):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import socket
 import subprocess
@@ -21,6 +22,11 @@ from tokendance.model.platform import probe_cpu
 from tokendance.server.metrics import parse
 
 
+# Threads of the model's kernels, in this process and in the servers tests start: the machine's
+# two cores, or one each where `make test` runs two pytest workers (pytest-xdist) side by side.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 class Server:
     """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
 
@@ -29,7 +35,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()
-        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", "2", *args]
+        command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", str(THREADS),
+                   *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 180

@@ -13,8 +13,11 @@ from typing import Any
 MAX_AGENTS = 4096  # agents of one /v1/rounds request, and a chat request's round_size
 MAX_ID_CHARS = 256  # agent_id, round_id
 MAX_SALT_CHARS = 1024  # cache_salt
-# Chat fields a round does not serve; it never ignores them silently (and n must be 1).
-REFUSED = ("tools", "tool_choice", "stream", "logprobs", "top_logprobs", "prompt_logprobs")
+# A chat request's round fields. Only chat requests take them: a completion with one is refused.
+ROUND_FIELDS = ("agent_id", "round_id", "round_size")
+# Fields a /v1/rounds request (or one of its agents) does not serve; it never ignores them silently
+# (and n must be 1). Its round is the request itself: no round_id or round_size of the client's.
+REFUSED = ("tools", "tool_choice", "stream", "logprobs", "top_logprobs", "prompt_logprobs", "round_id", "round_size")
 
 
 def refused_field(fields: Mapping[str, Any]) -> str | None:
@@ -28,9 +31,17 @@ def refused_field(fields: Mapping[str, Any]) -> str | None:
 
 def refusal(name: str) -> str:
     """Why `name` is refused, and what to send instead."""
+    if name in ROUND_FIELDS:
+        return (f"/v1/rounds does not take {name}: the request is one round, answered under its own id; declare "
+                "a round of chat requests with round_id and round_size instead")
     hint = (" stream each agent's chat request instead (with round_id and round_size)" if name == "stream"
             else " send the agent's turn as a chat request with round_id and round_size")
     return f"/v1/rounds does not support {name};{hint}"
+
+
+def completion_refusal(name: str) -> str:
+    """Why a completion with a round field is refused."""
+    return f"{name} is a chat request's round field: rounds are declared on /v1/chat/completions (or /v1/rounds)"
 
 
 def turn_salt(round_salt: str | None, agent_salt: str | None) -> str | None:

@@ -1,7 +1,11 @@
 """The round protocol both front doors speak (`tokendance/round_protocol.py`): refused fields, the
-agent's salt over the round's, the answer's usage and round object (no server needed)."""
+agent's salt over the round's, the answer's usage and round object; the plugin's endpoint reading
+a body as `tokendance serve` does (no server needed)."""
+
+import pytest
 
 from tokendance.round_protocol import REFUSED, refusal, refused_field, round_answer, sum_usage, turn_salt
+from tokendance.vllm_plugin.endpoint import FieldError, round_requests, tag_body
 
 
 def test_a_round_refuses_the_fields_it_does_not_serve_and_names_them():
@@ -25,3 +29,49 @@ def test_the_answer_sums_usage_as_chat_reports_it():
     assert answer["round"] == {"round_id": "round-1", "num_agents": 2, "index": 3}
     assert answer["usage"] == sum_usage([o["usage"] for o in outputs]) == {
         "prompt_tokens": 17, "completion_tokens": 4, "total_tokens": 21, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def field_of(call) -> str | None:
+    with pytest.raises(FieldError) as refused:
+        call()
+    return refused.value.param
+
+
+def test_the_plugins_endpoint_names_a_bad_round_field_as_tokendance_serve_does():
+    hi = [{"role": "user", "content": "hi"}]
+    assert field_of(lambda: tag_body({"prompt": "x", "agent_id": "a"}, chat=False)) == "agent_id"
+    assert field_of(lambda: tag_body({"messages": hi, "agent_id": "a", "round_size": 2})) == "round_size"
+    assert field_of(lambda: tag_body({"messages": hi, "agent_id": "a", "round_id": "r", "round_size": 4097})) == "round_size"
+    tag = {"round_id": "r", "agent_id": "a"}
+    assert field_of(lambda: tag_body({"messages": hi, "kv_transfer_params": {"tokendance": {"round_id": "r"}},
+                                      "cache_salt": "s"})) == "kv_transfer_params.tokendance"
+    assert field_of(lambda: tag_body({"messages": hi, "kv_transfer_params": {"tokendance": tag}})) == "cache_salt"
+    assert field_of(lambda: tag_body({"messages": hi, "kv_transfer_params": {"tokendance": tag}, "cache_salt": "s",
+                                      "round_id": "r"})) == "kv_transfer_params.tokendance"
+    one = {"agent_id": "a", "messages": hi}
+    assert field_of(lambda: round_requests({"agents": [one], "round_id": "mine"})) == "round_id"
+    assert field_of(lambda: round_requests({"agents": [{**one, "round_size": 2}]})) == "agents.0.round_size"
+    assert field_of(lambda: round_requests({"agents": [{"messages": hi}]})) == "agents.0.agent_id"
+
+
+def test_a_round_member_without_an_agent_id_is_an_agent_of_its_own():
+    """As in `tokendance serve`: it joins the round, under a salt no other request has."""
+    hi = [{"role": "user", "content": "hi"}]
+    first, second = (tag_body({"messages": hi, "round_id": "r", "round_size": 2, "cache_salt": "t"}) for _ in range(2))
+    assert first["kv_transfer_params"]["tokendance"]["round_id"] == "r"
+    assert first["kv_transfer_params"]["tokendance"]["namespace"] == "t"
+    assert first["cache_salt"].startswith("t:") and first["cache_salt"] != second["cache_salt"]
+    assert tag_body({"messages": hi, "kv_transfer_params": {"tokendance": {"round_id": "r", "agent_id": "a"}},
+                     "cache_salt": "s"})["kv_transfer_params"]["tokendance"] == {"round_id": "r", "agent_id": "a"}
+
+
+def test_the_plugins_endpoint_refuses_what_nests_too_deeply_for_vllm():
+    """vLLM answered 500 for a tool call's arguments nesting past the JSON parser's recursion (it
+    parses them to render the prompt): the endpoint names the field first."""
+    from tokendance.vllm_plugin.endpoint import too_deep
+
+    deep = "[" * 100_000
+    call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}
+    assert too_deep({"messages": [{"role": "user", "content": deep}, call]}) == "messages.1.tool_calls.0.function.arguments"
+    assert too_deep({"agents": [{"messages": [call]}]}) == "agents.0.messages.0.tool_calls.0.function.arguments"
+    assert too_deep({"input": [{"type": "function_call", "arguments": '{"a": [1, {"b": 2}]}'}]}) is None

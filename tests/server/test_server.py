@@ -289,17 +289,31 @@ def test_per_agent_cache_salts_isolate_agents_of_one_round(server):
     assert status == 400 and body["error"]["param"] == "agents.1.model"
 
 
-def test_a_forced_call_cut_short_leaks_no_markup(server):
-    """tool_choice "required" with too few tokens for the call: no content (it would be the
-    call's markup), finish_reason "length", streamed and not."""
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    fields = dict(model=server.model, messages=[{"role": "user", "content": "hi"}], tools=[tool],
-                  tool_choice="required", max_tokens=1)
-    reply = server.client().chat.completions.create(**fields)
-    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason == "length"
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in server.client().chat.completions.create(
-        **fields, stream=True) if chunk.choices)
-    assert streamed == ""
+@pytest.mark.parametrize("max_tokens", [1, 24])
+def test_a_call_cut_short_answers_alike_streamed_and_not(server, max_tokens):
+    """tool_choice "required" with too few tokens for the call: finish_reason "length", no content
+    (it would be the call's markup), and the call as far as it was written (its name once written,
+    arguments not valid JSON), the same whole as streamed."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+    fields = dict(model=server.model, messages=[{"role": "user", "content": "Look up the weather in Paris."}],
+                  tools=[tool], tool_choice="required", max_tokens=max_tokens, temperature=0)
+    whole = server.client().chat.completions.create(**fields).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in server.client().chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert whole.finish_reason == finish == "length"
+    assert whole.message.content is None and content == ""
+    got = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
+    assert got == [calls[i] for i in sorted(calls)]
+    if max_tokens > 1:
+        assert got and got[0]["name"] == "lookup" and got[0]["arguments"].startswith("{")
 
 
 # ---------------------------------------------------------------- bad input

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tokendance.server.replies import cut_message
 from tokendance.server.tool_stream import ToolCallStream
 from tokendance.server.tools import Tools, parse_tool_calls
 
@@ -60,3 +61,16 @@ def test_content_streams_before_the_reply_finishes_and_arguments_in_pieces():
     assert opened[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
     assert stream.feed('ty": "Oslo"', False) == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"'}}]}
     assert stream.feed("}}</tool_call>", True) == {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
+
+
+@pytest.mark.parametrize("reply", [r for r in REPLIES if "<tool_call>" in r])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reply_cut_anywhere_answers_what_its_stream_sent(reply, seed):
+    """Cut at any character (max_tokens), the whole reply's message is what its stream added up to:
+    content outside calls, each opened call with its arguments as far as they were written."""
+    cut = reply[:random.Random(seed).randint(1, len(reply) - 1)]
+    content, calls = streamed(cut, seed)
+    message = cut_message(cut, TOOLS)
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == \
+           [(c["name"], c["arguments"]) for c in calls]

@@ -136,6 +136,38 @@ def test_malformed_round_fields_are_refused_with_their_field(server):
         with pytest.raises(openai.BadRequestError) as refused:
             server.post("/rounds", cast_to=object, body={"model": MODEL, "agents": two, **body})
         assert refused.value.body["param"] == param
+    # a tag the client wrote itself: checked as the connector reads it, not logged and dropped
+    tag = {"round_id": "r", "agent_id": "a", "round_size": 2}
+    for extra, param in (({"kv_transfer_params": {"tokendance": {**tag, "recompute_ratio": 2}}, "cache_salt": "s"},
+                          "kv_transfer_params.tokendance"),
+                         ({"kv_transfer_params": {"tokendance": tag}}, "cache_salt"),
+                         ({"kv_transfer_params": {"tokendance": tag}, "cache_salt": "s", "agent_id": "a"},
+                          "kv_transfer_params.tokendance")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(server, messages, **extra)
+        assert refused.value.body["param"] == param
+
+
+def test_a_round_whose_client_leaves_is_cancelled(server):
+    """`POST /v1/rounds` whose client disconnects: its agents' requests are aborted, not run to their
+    max_tokens (vLLM counts the tokens they generated)."""
+    url = str(server.base_url).rstrip("/").removesuffix("/v1")
+    generated = "vllm:generation_tokens_total"
+    before = prometheus(server)[generated]
+    data = json.dumps({"model": MODEL, "max_tokens": 3000, "ignore_eos": True, "agents": agents(3, seed=13)}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+        raw.sendall(f"POST /v1/rounds HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: prometheus(server).get("vllm:num_requests_running", 0) >= 3)
+    wait_for(lambda: prometheus(server).get("vllm:num_requests_running", 0) == 0)
+    assert 3 <= prometheus(server)[generated] - before < 3000  # one agent alone would have made 3,000
+
+
+def wait_for(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
 
 
 def test_bench_target_reads_the_session_store(server, tmp_path):

@@ -20,7 +20,8 @@ from tokendance.errors import (
     InvalidRequestError,
     TokenDanceError,
 )
-from tokendance.round_protocol import MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, refusal, refused_field
+from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, completion_refusal, refusal,
+                                       refused_field)
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokendance.server.tool_formats import ToolFormat
 from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
@@ -263,6 +264,12 @@ class CompletionRequest(SamplingFields):
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        name = next((n for n in ROUND_FIELDS if (self.model_extra or {}).get(n) is not None), None)
+        if name is not None:
+            raise ApiError(400, completion_refusal(name), param=name, code="unsupported_parameter")
+
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
@@ -304,8 +311,12 @@ class RoundRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.n != 1 or any(a.n != 1 for a in self.agents):
+        if self.n != 1:
             raise ApiError(400, "n must be 1 in a round (one turn per agent)", param="n", code="unsupported_parameter")
+        for i, agent in enumerate(self.agents):
+            if agent.n != 1:
+                raise ApiError(400, "n must be 1 in a round (one turn per agent)", param=f"agents.{i}.n",
+                               code="unsupported_parameter")
         reject_round_fields(self)
 
 

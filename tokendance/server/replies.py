@@ -10,6 +10,7 @@ from collections.abc import Callable
 from tokendance.outputs import RequestOutput
 from tokendance.round_protocol import round_answer
 from tokendance.sampling import TokenLogprobs
+from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools, parse_tool_calls
 
 
@@ -74,13 +75,27 @@ def chat_message(output: RequestOutput, tools: Tools | None) -> tuple[dict, str 
     """The assistant message of a choice and its finish reason (tool calls parsed out)."""
     message = {"role": "assistant", "content": output.text}
     if tools is not None:
+        if output.finish_reason == "length":  # cut: a call as far as it was written, as a stream sends it
+            return cut_message(output.text, tools), "length"
         content, calls = parse_tool_calls(output.text, tools)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             return message, "tool_calls" if output.finish_reason == "stop" else output.finish_reason
-        if tools.forced:  # cut before its call was complete: what there is is markup, not content
+        if tools.forced:  # what there is is markup, not content
             message["content"] = None
     return message, output.finish_reason
+
+
+def cut_message(text: str, tools: Tools) -> dict:
+    """A reply cut by max_tokens, with tools: what its stream would have sent, as one message: the
+    content outside calls (none when a call is forced) and each call opened, its arguments as far
+    as they were written (not valid JSON)."""
+    delta = tool_stream(tools).feed(text, finished=True)
+    message = {"role": "assistant", "content": delta.get("content") or None}
+    if delta.get("tool_calls"):
+        message["tool_calls"] = [{key: value for key, value in call.items() if key != "index"}
+                                 for call in delta["tool_calls"]]
+    return message
 
 
 def chat_response(request_id: str, model: str, outputs: list[RequestOutput], round_info: dict | None,

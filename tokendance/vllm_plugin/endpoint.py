@@ -23,11 +23,13 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokendance.round_protocol import MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, refusal, refused_field, round_answer, turn_salt
+from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, completion_refusal, refusal,
+                                       refused_field, round_answer, turn_salt)
+from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 
-ROUND_FIELDS = ("agent_id", "round_id", "round_size")
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
-ROUND_ONLY = ("agents", "cache_salt", "round_id")  # /v1/rounds fields that are not chat fields
+GUARDED_PATHS = (*TAGGED_PATHS, "/v1/responses", "/v1/rounds")
+ROUND_ONLY = ("agents", "cache_salt")  # /v1/rounds fields that are not chat fields
 
 
 class FieldError(ValueError):
@@ -41,13 +43,24 @@ def agent_salt(agent_id: str, client_salt: str | None) -> str:
     return f"tokendance:{agent_id}" if client_salt is None else f"{client_salt}:tokendance:{agent_id}"
 
 
-def tag_body(body: dict) -> dict:
+def tag_body(body: dict, chat: bool = True) -> dict:
     """The body with its round fields moved where the connector reads them. FieldError names a
-    field that is malformed."""
-    fields = {name: body.pop(name) for name in ROUND_FIELDS if name in body}
+    field that is malformed, also in a tag the client wrote itself (`kv_transfer_params.tokendance`,
+    which the connector would otherwise only log before computing the request exactly), and a round
+    field on a completion (`chat` False). A round member without an agent_id is an agent of its
+    own, keeping no session (as in `tokendance serve`)."""
+    fields = {name: body.pop(name) for name in ROUND_FIELDS if body.get(name) is not None}
+    if fields and not chat:
+        name = next(iter(fields))
+        raise FieldError(completion_refusal(name), name)
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and "tokendance" in params:
+        check_own_tag(params, body.get("cache_salt"), fields)
     if not fields:
         return body
     agent_id, round_id, size = fields.get("agent_id"), fields.get("round_id"), fields.get("round_size")
+    if agent_id is None and isinstance(round_id, str):
+        agent_id = f"anonymous-{uuid.uuid4().hex}"
     if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_CHARS:
         raise FieldError(f"agent_id must be a string of 1 to {MAX_ID_CHARS} characters (it names the agent's "
                          "session)", "agent_id")
@@ -71,20 +84,57 @@ def tag_body(body: dict) -> dict:
     return body
 
 
+def check_own_tag(params: dict, salt, fields: dict) -> None:
+    """A round tag the client wrote: refused with the field named if the connector could not use it."""
+    param = "kv_transfer_params.tokendance"
+    if fields:
+        raise FieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
+    try:
+        RoundTag.parse(params)
+    except RoundParamsError as exc:
+        raise FieldError(str(exc), param) from None
+    if not isinstance(salt, str) or not salt:
+        raise FieldError(f"a request with {param} needs a cache_salt of the agent's own (reused KV is read back "
+                         "only under it)", "cache_salt")
+
+
 def error_body(message: str, param: str | None, status: int = 400) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                  "code": status}}).encode()
 
 
+def too_deep(body) -> str | None:
+    """The field of a body nesting deeper than a JSON parser's recursion allows: the body itself
+    (""), or a tool call's `arguments` string, which vLLM parses while it renders the prompt (and
+    answered 500 for). None if there is none."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            arguments = value.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    json.loads(arguments)
+                except RecursionError:
+                    return f"{path}.arguments".lstrip(".")
+                except ValueError:
+                    pass
+            stack += [(v, f"{path}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}.{i}") for i, v in enumerate(value)]
+    return None
+
+
 class RoundFields:
-    """ASGI middleware: rewrites tagged chat/completions bodies (see `tag_body`); everything else
-    passes untouched."""
+    """ASGI middleware on the JSON endpoints: rewrites tagged chat/completions bodies (see
+    `tag_body`) and refuses a body nesting too deeply (`too_deep`) with a 400 naming it; everything
+    else passes untouched."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TAGGED_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED_PATHS:
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -96,11 +146,17 @@ class RoundFields:
         raw = b"".join(chunks)
         try:
             body = json.loads(raw) if raw else None
+        except RecursionError:
+            return await _reply(send, 400, error_body("the body nests too deeply", None))
         except ValueError:
             body = None
-        if isinstance(body, dict) and any(name in body for name in ROUND_FIELDS):
+        deep = too_deep(body)
+        if deep is not None:
+            return await _reply(send, 400, error_body(f"{deep or 'the body'} nests too deeply", deep or None))
+        tagged = scope["path"] in TAGGED_PATHS
+        if tagged and isinstance(body, dict) and (any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body):
             try:
-                raw = json.dumps(tag_body(body)).encode()
+                raw = json.dumps(tag_body(body, chat=scope["path"] == "/v1/chat/completions")).encode()
             except FieldError as exc:
                 return await _reply(send, 400, error_body(str(exc), exc.param))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -115,6 +171,23 @@ class RoundFields:
             return {"type": "http.request", "body": raw, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+
+async def until_disconnected(request: Request, work):
+    """`work`'s answer, or None once the client has left: its agents' requests are then cancelled
+    (the loopback connections close, and vLLM aborts a request whose client is gone). The body has
+    been read, so what the client sends next can only be its disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(left())
+    done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    for pending in (task, watch):
+        pending.cancel()
+    return task.result() if task in done else None
 
 
 async def _reply(send, status: int, body: bytes) -> None:
@@ -145,7 +218,7 @@ class RoundsEndpoint:
                 requests = round_requests(body)
             except FieldError as exc:
                 return JSONResponse(json.loads(error_body(str(exc), exc.param)), status_code=400)
-            return await self._run_round(body, requests, request.headers.get("authorization"))
+            return await until_disconnected(request, self._run_round(body, requests, request.headers.get("authorization")))
 
     async def init_state(self, engine_client, state, args) -> None:
         host = getattr(args, "host", None) or "127.0.0.1"
@@ -185,12 +258,14 @@ def round_requests(body) -> list[dict]:
     ids = [a.get("agent_id") if isinstance(a, dict) else None for a in agents]
     if len(set(map(str, ids))) != len(ids):
         raise FieldError("agent ids of a round must be distinct", "agents")
-    round_id = body.get("round_id") or f"round-{uuid.uuid4().hex}"
+    round_id = f"round-{uuid.uuid4().hex}"
     shared = {k: v for k, v in body.items() if k not in ROUND_ONLY}
     requests = []
     for i, agent in enumerate(agents):
         if not isinstance(agent, dict) or not isinstance(agent.get("messages"), list) or not agent["messages"]:
             raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.messages")
+        if agent.get("agent_id") is None:
+            raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.agent_id")
         request = {**shared, **agent, "round_id": round_id, "round_size": len(agents)}
         name = refused_field(agent)
         if name is not None or agent.get("n", 1) not in (1, None):
