@@ -71,7 +71,7 @@ def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
     args = bench_args("--agents", "2", "--rounds", "2", "--modes", "prefix", "tokendance", "--max-tokens", "3",
                       "--sweep-ratios", "0", "1", "--sweep-selections", "epic", "--sweep-agents", "2",
-                      "--out", str(out), "--plots", str(plots))
+                      "--no-warm-up", "--out", str(out), "--plots", str(plots))  # fields, not times
     assert run_rounds(args) == 0
     results = json.loads(out.read_text())
     assert len(results["rounds"]) == 2 * 2

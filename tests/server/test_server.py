@@ -521,7 +521,7 @@ def test_clients_that_leave_at_any_stage_never_stop_the_engine(server):
         ("/v1/rounds", {"model": server.model, **long, "agents": [
             {"agent_id": "x", "messages": villager(0)}, {"agent_id": "y", "messages": villager(1)}]}),
     ]
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(1 + len(leavers)) as pool:  # the leavers all at once, while the engine is busy
         for after in (0.05, 0.6, 2.0):
             keeping_busy = pool.submit(server.post, "/v1/completions", {**busy, "prompt": f"{salt()} {busy['prompt']}"})
             time.sleep(0.3)
