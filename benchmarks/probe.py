@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -439,24 +440,59 @@ def check(target: Target, wave: dict, idle: dict) -> dict:
 WAVES = {"corpus": corpus_wave, "leave": leave_wave, "rounds": rounds_wave, "soak": soak_wave}
 
 
+class Canary(threading.Thread):
+    """Another tenant, sending a plain 8-token chat under its own cache salt every half second
+    while the waves run: its statuses and latencies, by wave."""
+
+    def __init__(self, target: Target):
+        super().__init__(daemon=True)
+        self.target, self.wave, self.stopped = target, "idle", threading.Event()
+        self.lock = threading.Lock()  # held while its chat is in flight: `check` waits for it
+        self.seen: dict[str, list] = collections.defaultdict(list)  # wave -> [(status, seconds)]
+
+    def run(self) -> None:
+        body = chat(self.target, "Name a colour.", temperature=0, cache_salt=f"canary-{uuid.uuid4().hex}")
+        while not self.stopped.wait(0.5):
+            with self.lock:
+                wave, started = self.wave, time.monotonic()
+                status, _ = self.target.post("/v1/chat/completions", body, timeout=60)
+                self.seen[wave].append((str(status), time.monotonic() - started))
+
+    def summary(self, wave: str) -> dict:
+        seen = self.seen.get(wave)
+        if not seen:  # a wave shorter than its period
+            return {"statuses": {}, "p50_s": None, "max_s": None}
+        seconds = sorted(s for _, s in seen)
+        return {"statuses": collections.Counter(s for s, _ in seen), "p50_s": round(seconds[len(seconds) // 2], 2),
+                "max_s": round(seconds[-1], 2)}
+
+
 def probe(url: str, args) -> dict:
     target = Target(url, args.timeout)
     settle(target)
     target.post("/v1/chat/completions", chat(target, "warm up"))
     idle = target.held()
     report = {"server": target.kind, "model": target.model, "idle": idle, "waves": {}}
+    canary = Canary(target)
+    canary.start()
+    time.sleep(3)  # its latency on an idle server first
     for name in args.waves:
-        started = time.monotonic()
+        started, canary.wave = time.monotonic(), name
         try:
             wave = WAVES[name](target, args)
-            wave["after"] = check(target, wave, idle)
+            with canary.lock:
+                wave["after"] = check(target, wave, idle)
         except OSError as exc:  # the server is gone: the report says so, and no later wave runs
             report["waves"][name] = {"error": repr(exc)}
             print(f"\n[{name}] FAIL: {exc!r}")
             break
         wave["wall_s"] = round(time.monotonic() - started, 1)
+        wave["canary"] = canary.summary(name)
         report["waves"][name] = wave
         print_wave(name, wave)
+    canary.stopped.set()
+    report["canary_idle"] = canary.summary("idle")
+    print(f"the other tenant's chat, idle: {report['canary_idle']}")
     return report
 
 
@@ -466,6 +502,7 @@ def failures(wave: dict) -> list[str]:
     if "error" in wave:
         return [wave["error"]]
     found = [f"{n} x {s}" for s, n in wave["statuses"].items() if s == "hang" or s.startswith(("closed", "5"))]
+    found += [f"the other tenant's chat: {n} x {s}" for s, n in wave["canary"]["statuses"].items() if s != "200"]
     after = wave["after"]
     if after["health"][0] != 200 or after["health"][1] > HEALTHY_S:
         found.append(f"health {after['health']}")
@@ -497,6 +534,8 @@ def print_wave(name: str, wave: dict) -> None:
         print(f"  {wave['requests']} requests from {wave['clients']} clients in {wave['seconds']} s")
         for kind, statuses in wave["by_kind"].items():
             print(f"    {kind:<16}{' '.join(f'{s}:{n}' for s, n in sorted(statuses.items()))}")
+    canary = wave["canary"]
+    print(f"  the other tenant's chat meanwhile: {dict(canary['statuses'])}, p50 {canary['p50_s']} s, max {canary['max_s']} s")
     problems = failures(wave)
     print(f"  {'FAIL: ' + '; '.join(problems) if problems else 'ok: no 5xx, no hang, healthy, back to idle'}")
 
@@ -534,10 +573,12 @@ def main() -> int:
                 reports[name] = probe(f"http://127.0.0.1:{port}", args)
             finally:
                 reports.setdefault(name, {"waves": {}})["alive"] = server.poll() is None
-                if server.poll() is not None:
+                if server.poll() is not None:  # its whole log, for the cause
                     log.seek(0)
-                    reports[name]["log_tail"] = log.read().decode(errors="replace")[-6000:]
-                    print(f"{name} EXITED with {server.returncode}:\n{reports[name]['log_tail']}")
+                    saved = ROOT / "benchmarks" / "results" / f"probe-{name.replace('+', '-')}.log"
+                    saved.write_bytes(log.read())
+                    reports[name]["log"] = str(saved.relative_to(ROOT))
+                    print(f"{name} EXITED with {server.returncode}: its log is in {reports[name]['log']}")
                 server.terminate()
                 try:
                     server.wait(timeout=60)
