@@ -553,6 +553,7 @@ def main() -> int:
     parser.add_argument("--kv-gib", type=int, default=1)
     parser.add_argument("--store-gib", type=float, default=0.5, help="the plugin's session store")
     parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument of the vLLM servers")
     args = parser.parse_args()
     from tokendance.model.platform import probe_cpu
     from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
@@ -560,7 +561,7 @@ def main() -> int:
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
     args.ratio = DEFAULT_RECOMPUTE_RATIO
-    args.vllm_args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # the model's format
+    args.vllm_args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", *args.vllm_arg]  # the model's format
     reports = {}
     if args.target:
         reports["target"] = probe(args.target.rstrip("/").removesuffix("/v1"), args)
