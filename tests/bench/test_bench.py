@@ -126,8 +126,13 @@ def test_noise_floor_report_scores_every_setting_on_fulls_tokens(tmp_path, model
     for exact in ("prefix", "tokendance@1"):  # exact up to numeric noise: no confident flip
         assert rows[exact]["flips_over_half_nat"] == 0 and rows[exact]["top1_agreement"] >= 0.9
     assert 0 <= results["fidelity"]["reference_accuracy"] <= 1
+    low, high = results["fidelity"]["reference_accuracy_ci"]
+    assert low <= results["fidelity"]["reference_accuracy"] <= high
     for row in rows.values():  # graded against the workload's ground truth, and against full's answers
         assert 0 <= row["task_accuracy"] <= 1 and 0 <= row["changed_answers"] <= 1
+        low, high = row["task_accuracy_ci"]
+        assert low <= row["task_accuracy"] <= high and high - low > 0  # 16 answers: a wide interval
+        assert 0 <= row["loop_fraction"] <= 1 and 0 < row["distinct_2"] <= 1
     assert (plots / "fact-recall-noise-floor.png").stat().st_size > 0
 
 

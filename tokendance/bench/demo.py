@@ -38,11 +38,12 @@ def run_demo(args) -> int:
 
 def format_demo(rows: list[dict]) -> str:
     lines = [f"\n{'round':>5}  {'mode':<11}{'latency s':>10}{'TTFT s':>8}{'tokens computed':>16}{'KV MB/agent':>12}"
-             f"{'same as full':>13}"]
+             f"{'same as full':>13}{'loops':>7}{'distinct-2':>11}"]
     for r in sorted(rows, key=lambda r: (r["round"], r["mode"] != "full", r["mode"])):
         lines.append(f"{r['round']:>5}  {r['mode']:<11}{r['round_seconds']:>10.2f}{r['prefill_seconds']:>8.2f}"
                      f"{r['computed_tokens']:>9.0f} / {r['prompt_tokens']:<5}{r['kv_bytes_per_agent'] / MB:>12.1f}"
-                     f"{r['trace']['identical_outputs']:>12.0%}")
+                     f"{r['trace']['identical_outputs']:>12.0%}{r['quality']['loop_fraction']:>7.0%}"
+                     f"{r['quality']['distinct_2']:>11.2f}")
     by = {(r["round"], r["mode"]): r for r in rows}
     last = max(r["round"] for r in rows)
     td, prefix = by[(last, "tokendance")], by[(last, "prefix")]
@@ -50,7 +51,9 @@ def format_demo(rows: list[dict]) -> str:
         f"\nround {last}: tokendance {prefix['round_seconds'] / td['round_seconds']:.2f}x the speed of prefix caching "
         f"(TTFT {prefix['prefill_seconds'] / td['prefill_seconds']:.2f}x), "
         f"{prefix['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x less KV per agent; "
-        "'same as full': share of the agents' outputs so far identical to the no-reuse trace")
+        "'same as full': share of the agents' outputs so far identical to the no-reuse trace; 'loops': share "
+        "of the round's replies repeating a sentence or a 4-word run 3 times or more; 'distinct-2': distinct "
+        "word pairs over all pairs of the round's replies")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import gc
 
 import torch
 
+from tokendance.bench.quality import degeneration, wilson
 from tokendance.bench.simulation import Simulation
 from tokendance.model.platform import dtype_name
 from tokendance.config import EngineConfig
@@ -88,8 +89,10 @@ def run_fidelity(loaded, workload, args, engines_for, on_round) -> dict:
                     scores[label].add(ref, got)
     release(engines)
     found = rows(free, scores, labels, floor=f"full-{floor_dtype(args.dtype)}")
+    right, _, graded = accuracy(workload, reference.results, reference.results)
     return {"agents": len(workload.agents), "rounds": args.rounds, "floor": f"full-{floor_dtype(args.dtype)}",
-            "reference_accuracy": accuracy(workload, reference.results, reference.results)[0], "rows": found}
+            "reference_accuracy": right, "reference_accuracy_ci": interval(right, graded),
+            "reference_quality": degeneration([o.text for r in reference.results for o in r.outputs]), "rows": found}
 
 
 def release(engines: dict) -> None:
@@ -106,13 +109,14 @@ def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, di
     for label, forced in scores.items():
         results = free.traces[label].results
         same = [compare(ref.outputs, result.outputs) for ref, result in zip(reference, results)]
-        right, changed = accuracy(free.workload, results, reference)
+        right, changed, graded = accuracy(free.workload, results, reference)
         found.append({"setting": label, **labels[label], "preset": EngineConfig(**labels[label]).fidelity_name,
                       "identical_fraction": sum(s.identical_fraction for s in same) / len(same),
                       "shared_compression": sum(r.stats.shared_compression for r in results) / len(results),
                       "ttft_speedup": sum(r.stats.prefill_seconds for r in reference)
                       / max(1e-9, sum(r.stats.prefill_seconds for r in results)),
-                      "task_accuracy": right, "changed_answers": changed, **forced.summary()})
+                      "task_accuracy": right, "task_accuracy_ci": interval(right, graded), "changed_answers": changed,
+                      **degeneration([o.text for r in results for o in r.outputs]), **forced.summary()})
     base = next(r for r in found if r["setting"] == floor)
     for row in found:
         row["kl_mean_ratio"] = _ratio(row["kl_mean"], base["kl_mean"])
@@ -123,15 +127,20 @@ def rows(free: Simulation, scores: dict[str, ForcedScores], labels: dict[str, di
     return found
 
 
-def accuracy(workload, results, reference) -> tuple[float | None, float | None]:
-    """For a graded workload: the share of answers right, and of answers whose correctness differs
-    from the reference's (None, None for workloads without a ground truth)."""
+def accuracy(workload, results, reference) -> tuple[float | None, float | None, int]:
+    """For a graded workload: the share of answers right, the share whose correctness differs from
+    the reference's, and how many answers were graded (None, None, 0 without a ground truth)."""
     graded = [(workload.grade(o.agent_id, r, o.text), workload.grade(o.agent_id, r, ref.text))
               for r, (result, expected) in enumerate(zip(results, reference))
               for o, ref in zip(result.outputs, expected.outputs)]
     if not graded or graded[0][0] is None:
-        return None, None
-    return sum(g for g, _ in graded) / len(graded), sum(g != e for g, e in graded) / len(graded)
+        return None, None, 0
+    return sum(g for g, _ in graded) / len(graded), sum(g != e for g, e in graded) / len(graded), len(graded)
+
+
+def interval(share: float | None, total: int) -> list[float] | None:
+    """The 95% interval of an accuracy measured on `total` answers."""
+    return None if share is None else list(wilson(round(share * total), total))
 
 
 def _ratio(value: float, floor: float) -> float | None:

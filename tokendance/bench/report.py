@@ -236,17 +236,27 @@ def format_noise_floor(report: dict) -> str:
              f"floor: {report['floor']}"]
     graded = report["reference_accuracy"] is not None
     if graded:
-        lines[0] += f"; full answers {report['reference_accuracy']:.1%} right"
+        low, high = report["reference_accuracy_ci"]
+        lines[0] += f"; full answers {report['reference_accuracy']:.1%} right (95%: {low:.0%}-{high:.0%})"
+    quality = report.get("reference_quality")
+    if quality:
+        lines[0] += f"; full's replies loop {quality['loop_fraction']:.0%}, distinct-2 {quality['distinct_2']:.2f}"
     lines.append(f"{'setting':<22}{'preset':>7}{'TTFT x':>7}{'shared x':>9}{'same':>6}{'top1':>7}{'KL mean':>9}{'x floor':>8}{'KL p99':>8}"
-                 f"{'x floor':>8}{'flips >0.5':>11}{'>2 nats':>8}{'positions':>10}" + (f"{'right':>7}{'changed':>8}" if graded else ""))
+                 f"{'x floor':>8}{'flips >0.5':>11}{'>2 nats':>8}{'positions':>10}{'loops':>7}{'dist-2':>7}"
+                 + (f"{'right':>7}{'95%':>10}{'changed':>8}" if graded else ""))
     for r in report["rows"]:
         lines.append(
             f"{r['setting']:<22}{r['preset']:>7}{r['ttft_speedup']:>7.2f}{r['shared_compression']:>9.2f}{r['identical_fraction']:>6.2f}"
             f"{r['top1_agreement']:>7.3f}"
             f"{r['kl_mean']:>9.4f}{_num(r['kl_mean_ratio'], 8, 1)}{r['kl_p99']:>8.3f}{_num(r['kl_p99_ratio'], 8, 1)}"
             f"{r['flips_over_half_nat']:>11}{r['flips_over_2_nats']:>8}{r['positions']:>10}"
-            + (f"{r['task_accuracy']:>7.1%}{r['changed_answers']:>8.1%}" if graded else ""))
+            f"{r['loop_fraction']:>7.0%}{r['distinct_2']:>7.2f}"
+            + (f"{r['task_accuracy']:>7.1%}{_span(r['task_accuracy_ci']):>10}{r['changed_answers']:>8.1%}" if graded else ""))
     return "\n".join(lines)
+
+
+def _span(interval) -> str:
+    return f"{interval[0]:.0%}-{interval[1]:.0%}"
 
 
 def plot_noise_floor(report: dict, path: Path, title: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from tokendance.bench.quality import degeneration
 from tokendance.engine.rounds import RoundResult
 from tokendance.llm import LLM
 from tokendance.reuse.fidelity import compare
@@ -75,6 +76,7 @@ class Simulation:
                 row = {"workload": self.workload.name, "agents": len(self.workload.agents), "round": r + 1,
                        "loop": "closed" if self.closed_loop else "open", **stats}
                 row["mean_output_tokens"] = sum(o.num_generated_tokens for o in result.outputs) / len(result.outputs)
+                row["quality"] = degeneration([o.text for o in result.outputs])
                 if reference in self.traces:
                     row["fidelity"] = asdict(compare(self.traces[reference].results[r].outputs, result.outputs))
                     row["trace"] = self.trace_agreement(reference, mode, r)
