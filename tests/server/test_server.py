@@ -507,7 +507,7 @@ def test_clients_that_leave_at_any_stage_never_stop_the_engine(server):
     not), completions with several prompts, a declared round's agent, a /v1/rounds request. The
     engine thread survives all of it, serves the next request, and no KV stays behind."""
     baseline = server.metrics()
-    busy = {"model": server.model, "prompt": " ".join(f"w{i}" for i in range(1500)), "max_tokens": 24,
+    busy = {"model": server.model, "prompt": " ".join(f"w{i}" for i in range(800)), "max_tokens": 16,
             "ignore_eos": True}
     # long enough that none is done when its client leaves, however fast the engine (a declared
     # agent that finished keeps its session, as it should)
