@@ -32,7 +32,8 @@ def server(model_folder):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"recompute_ratio": 1.0, "store_gib": 0.5}}
+              "kv_connector_extra_config": {"recompute_ratio": 1.0, "store_gib": 0.5,
+                                            "transparent_rounds": True}}
     env = {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(
@@ -80,8 +81,8 @@ def agents(num: int, seed: int) -> list[dict]:
     return [{"agent_id": t.agent_id, "messages": list(t.messages)} for t in workload.turns(0, [])]
 
 
-def chat(client, messages, **extra):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+def chat(client, messages, max_tokens: int = 12, **extra):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
                                           extra_body=extra or None)
 
 
@@ -114,6 +115,35 @@ def test_chat_requests_with_round_fields_form_a_round(server):
     assert metrics['vllm:tokendance_computed_tokens_total{reason="selected"}'] > 0
     assert metrics['vllm:tokendance_pass_seconds_total{phase="recompute"}'] > 0
     plain = [chat(server, t["messages"], cache_salt=f"plain-{t['agent_id']}") for t in turns]
+    assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
+
+
+def test_undeclared_requests_quoting_the_last_rounds_replies_form_a_round(server):
+    """`transparent_rounds: true`: chat requests with no round field, as a real app sends them, that
+    quote the previous round's replies at different positions are gathered into one round (the
+    endpoint's counters and the connector's), their mirrors reuse, and at ratio 1.0 they answer
+    what plain chat answers; requests quoting nothing pass without waiting."""
+    workload = make_workload("generative-agents", 4, seed=14)
+    first = workload.turns(0, [])
+    members, passed = 'vllm:tokendance_transparent_requests_total{outcome="member"}', \
+        'vllm:tokendance_transparent_requests_total{outcome="passed"}'
+    before = prometheus(server)
+    with ThreadPoolExecutor(4) as pool:
+        said = list(pool.map(lambda t: chat(server, list(t.messages), max_tokens=24), first))
+    middle = prometheus(server)
+    assert middle.get(passed, 0) - before.get(passed, 0) == 4 and middle.get(members, 0) == before.get(members, 0)
+    history = [{t.agent_id: r.choices[0].message.content.strip() for t, r in zip(first, said)}]
+    second = workload.turns(1, history)
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda t: chat(server, list(t.messages)), second))
+    after = prometheus(server)
+    assert after[members] - middle.get(members, 0) == 4
+    assert after['vllm:tokendance_transparent_requests_total{outcome="rounds"}'] - \
+        middle.get('vllm:tokendance_transparent_requests_total{outcome="rounds"}', 0) == 1
+    formed = 'vllm:tokendance_rounds_total{formed="complete"}'
+    assert after[formed] - middle.get(formed, 0) == 1
+    assert sum(r.usage.prompt_tokens_details.cached_tokens > 0 for r in replies) >= 2  # the mirrors' claims
+    plain = [chat(server, list(t.messages), cache_salt=f"plain-transparent-{t.agent_id}") for t in second]
     assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
 
 

@@ -25,7 +25,9 @@ from fastapi.responses import JSONResponse
 
 from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, completion_refusal, refusal,
                                        refused_field, round_answer, turn_salt)
+from tokendance.vllm_plugin.gathering import Gathering
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.settings import Settings
 
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
 GUARDED_PATHS = (*TAGGED_PATHS, "/v1/responses", "/v1/rounds")
@@ -127,11 +129,13 @@ def too_deep(body) -> str | None:
 
 class RoundFields:
     """ASGI middleware on the JSON endpoints: rewrites tagged chat/completions bodies (see
-    `tag_body`) and refuses a body nesting too deeply (`too_deep`) with a 400 naming it; everything
-    else passes untouched."""
+    `tag_body`) and refuses a body nesting too deeply (`too_deep`) with a 400 naming it; with
+    transparent rounds on (`endpoint.gathering`), gathers chat requests that name no round into
+    rounds and reads what chat replies wrote. Everything else passes untouched."""
 
-    def __init__(self, app):
+    def __init__(self, app, endpoint: "RoundsEndpoint | None" = None):
         self.app = app
+        self.endpoint = endpoint
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED_PATHS:
@@ -153,12 +157,19 @@ class RoundFields:
         deep = too_deep(body)
         if deep is not None:
             return await _reply(send, 400, error_body(f"{deep or 'the body'} nests too deeply", deep or None))
-        tagged = scope["path"] in TAGGED_PATHS
-        if tagged and isinstance(body, dict) and (any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body):
+        chat = scope["path"] == "/v1/chat/completions"
+        gathering = self.endpoint.gathering if self.endpoint is not None and chat else None
+        if scope["path"] in TAGGED_PATHS and isinstance(body, dict):
             try:
-                raw = json.dumps(tag_body(body, chat=scope["path"] == "/v1/chat/completions")).encode()
+                if gathering is not None and gathering.may_join(body):
+                    tag_body(dict(body))  # a malformed field is refused before the request waits
+                    body = await gathering.admit(body)
+                if any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body:
+                    raw = json.dumps(tag_body(body, chat=chat)).encode()
             except FieldError as exc:
                 return await _reply(send, 400, error_body(str(exc), exc.param))
+        if gathering is not None:
+            send = gathering.reading_replies(send)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
         sent = False
@@ -196,6 +207,35 @@ async def _reply(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def connector_settings(config) -> Settings | None:
+    """The TokenDance connector's settings in vLLM's `--kv-transfer-config` (an object, a dict or
+    its JSON), None if it names another connector or none."""
+    if isinstance(config, str):
+        config = json.loads(config)
+    if config is None:
+        return None
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    if get("kv_connector") != "TokenDanceConnector":
+        return None
+    return Settings.from_extra(get("kv_connector_extra_config"))
+
+
+_TRANSPARENT_COUNTER = None
+
+
+def transparent_counter():
+    """`vllm:tokendance_transparent_requests_total{outcome}` on the API server's /metrics: chat
+    requests passed at once, held and sent as round members or alone, and rounds formed."""
+    global _TRANSPARENT_COUNTER
+    if _TRANSPARENT_COUNTER is None:
+        from prometheus_client import Counter
+
+        _TRANSPARENT_COUNTER = Counter("vllm:tokendance_transparent_requests",
+                                       "transparent rounds: chat requests by outcome (passed: not held; member; "
+                                       "alone: held, no round), and rounds formed (outcome rounds)", ["outcome"])
+    return _TRANSPARENT_COUNTER
+
+
 class RoundsEndpoint:
     """`vllm.endpoint_plugins` entry point: the middleware and `POST /v1/rounds`."""
 
@@ -204,9 +244,10 @@ class RoundsEndpoint:
 
     def __init__(self):
         self.base_url = None
+        self.gathering: Gathering | None = None  # transparent rounds (the connector's `transparent_rounds`)
 
     def attach_router(self, app) -> None:
-        app.add_middleware(RoundFields)
+        app.add_middleware(RoundFields, endpoint=self)
 
         @app.post("/v1/rounds")
         async def rounds(request: Request):
@@ -224,6 +265,9 @@ class RoundsEndpoint:
         host = getattr(args, "host", None) or "127.0.0.1"
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.base_url = f"http://{host}:{getattr(args, 'port', 8000)}"
+        settings = connector_settings(getattr(args, "kv_transfer_config", None))
+        if settings is not None and settings.transparent_rounds:
+            self.gathering = Gathering(settings.gather_window_s, settings.round_timeout_s, metric=transparent_counter())
 
     async def _run_round(self, body: dict, requests: list[dict], authorization: str | None):
         import httpx

@@ -22,6 +22,9 @@ class Settings:
     pass_tokens_per_step: int = 0
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
     store_gib: float = 0.0  # the session store's budget (0: no store)
+    # the endpoint gathers chat requests that name no round into rounds (`gathering.py`)
+    transparent_rounds: bool = False
+    gather_window_s: float = 0.05  # ... closing a gathering once no candidate came for this long
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -32,12 +35,15 @@ class Settings:
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
         for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s",
-                     "store_gib"):
+                     "store_gib", "gather_window_s"):
             value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type
             numeric = (int,) if kind in (int, "int") else (int, float)
             if isinstance(value, bool) or not isinstance(value, numeric) or value < 0:
                 raise ValueError(f"TokenDanceConnector: {name} must be a non-negative "
                                  f"{'integer' if numeric == (int,) else 'number'}, got {value!r}")
+        if not isinstance(settings.transparent_rounds, bool):
+            raise ValueError(f"TokenDanceConnector: transparent_rounds must be true or false, got "
+                             f"{settings.transparent_rounds!r}")
         if not valid_anchors(settings.anchors):
             raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
         selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both

@@ -1,0 +1,172 @@
+"""Transparent rounds at the vLLM plugin's front door (`tokendance/vllm_plugin/gathering.py`): which
+chat requests wait, how they become a round's members, whose salt they take, what a reply teaches
+the gatherer; no server needed (the middleware is driven as ASGI)."""
+
+import asyncio
+import json
+
+from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings
+from tokendance.vllm_plugin.gathering import Gathering, RecentReplies, conversation_id, reply_texts
+
+SAID = ["Abigail thinks the library should stay open until nine every evening.",
+        "Viktor wants the broken bridge repaired before the winter festival begins.",
+        "Hana says the new bakery sells the best sourdough in Willow Creek."]
+
+
+def turn(name: str, order: list[int], **extra) -> dict:
+    """An agent's next prompt: its persona, then what the others said (in its own order)."""
+    feed = "\n".join(f"{'ABH'[i]}: {SAID[i]}" for i in order)
+    return {"model": "m", "messages": [{"role": "system", "content": f"You are {name}, who lives in Willow Creek."},
+                                       {"role": "user", "content": f"Yesterday:\n{feed}\nWhat do you do now?"}],
+            **extra}
+
+
+def gathering_with_replies() -> Gathering:
+    gathering = Gathering(window_s=0.02, round_timeout_s=0.5)
+    for text in SAID:
+        gathering.replies.add(text)
+    return gathering
+
+
+def admit_all(gathering: Gathering, bodies: list[dict]) -> list[dict]:
+    async def run():
+        return await asyncio.gather(*(gathering.admit(b) for b in bodies))
+    return asyncio.run(run())
+
+
+def test_a_reply_is_read_whole_or_streamed_with_its_tool_calls():
+    whole = {"choices": [{"index": 0, "message": {"content": "First line.\nSecond line.", "tool_calls": [
+        {"function": {"name": "create_post", "arguments": json.dumps({"content": "A post about the bridge."})}}]}}]}
+    assert reply_texts(json.dumps(whole).encode(), stream=False) == ["First line.\nSecond line.", "A post about the bridge."]
+    deltas = [{"choices": [{"index": 0, "delta": {"content": "First "}}]},
+              {"choices": [{"index": 0, "delta": {"content": "line."}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"content": "A po'}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'st."}'}}]}}]}]
+    events = "".join(f"data: {json.dumps(d)}\n\n" for d in deltas) + "data: [DONE]\n\n"
+    assert reply_texts(events.encode(), stream=True) == ["First line.", "A post."]
+    assert reply_texts(b"not json", stream=False) == []
+
+
+def test_a_quote_is_found_behind_a_name_and_short_lines_are_not_keys():
+    replies = RecentReplies()
+    replies.add(SAID[0] + "\nOK.")
+    assert replies.quoted_in(f"Others said:\n- Abigail: {SAID[0]}")
+    assert not replies.quoted_in("OK.\nAbigail thinks the town hall should stay open")
+    assert not replies.quoted_in(SAID[1])
+
+
+def test_requests_quoting_nothing_pass_at_once_untouched():
+    gathering = gathering_with_replies()
+    body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story about a cat."}]}
+    assert admit_all(gathering, [body]) == [body]
+    assert gathering.counts == {"passed": 1} and len(gathering.gatherer) == 0
+
+
+def test_requests_quoting_replies_at_different_positions_form_one_round_per_namespace():
+    gathering = gathering_with_replies()
+    bodies = [turn("Abigail", [0, 1, 2]), turn("Viktor", [1, 0, 2]), turn("Hana", [2, 0, 1]),
+              turn("Rosa", [0, 2, 1], cache_salt="tenant-b"), turn("Omar", [2, 1, 0], cache_salt="tenant-b")]
+    sent = admit_all(gathering, bodies)
+    assert all(s["messages"] == b["messages"] for s, b in zip(sent, bodies))
+    rounds = [{s["round_id"] for s in sent[:3]}, {s["round_id"] for s in sent[3:]}]
+    assert all(len(r) == 1 for r in rounds) and rounds[0] != rounds[1]  # one round per namespace
+    assert [s["round_size"] for s in sent] == [3, 3, 3, 2, 2]
+    assert [s["agent_id"] for s in sent] == [conversation_id(b.get("cache_salt", ""), b["messages"]) for b in bodies]
+    assert gathering.counts == {"member": 5, "rounds": 2}
+    # the agents' next requests take their salts, also when they quote nothing
+    later = turn("Abigail", [])
+    later["messages"][1]["content"] = "What do you plan for tomorrow?"
+    assert admit_all(gathering, [later])[0]["agent_id"] == sent[0]["agent_id"]
+    stranger = turn("Nadia", [])
+    assert "agent_id" not in admit_all(gathering, [stranger])[0]
+
+
+def test_two_members_with_one_first_message_are_two_agents():
+    gathering = gathering_with_replies()
+    sent = admit_all(gathering, [turn("Abigail", [0, 1, 2]), turn("Abigail", [1, 0, 2])])
+    assert sent[0]["round_id"] == sent[1]["round_id"]
+    assert sent[0]["agent_id"].startswith("conversation-") and sent[1]["agent_id"].startswith("anonymous-")
+
+
+def test_a_held_request_that_overlaps_no_other_goes_alone_and_a_declared_round_is_not_held():
+    gathering = gathering_with_replies()
+    alone = turn("Abigail", [0])
+    declared = {**turn("Viktor", [1, 0]), "round_id": "r1", "agent_id": "viktor"}
+    assert not gathering.may_join(declared) and not gathering.may_join({**alone, "n": 2})
+    assert admit_all(gathering, [alone]) == [alone]
+    assert gathering.counts == {"alone": 1}
+
+
+def test_a_request_cancelled_while_it_waits_leaves_the_gathering():
+    gathering = gathering_with_replies()
+
+    async def run():
+        waiting = asyncio.ensure_future(gathering.admit(turn("Abigail", [0, 1])))
+        await asyncio.sleep(0)
+        assert len(gathering.gatherer) == 1
+        waiting.cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
+    assert len(gathering.gatherer) == 0
+
+
+class Endpoint:
+    def __init__(self, gathering):
+        self.gathering = gathering
+
+
+def call(middleware, body: dict, reply: dict) -> tuple[dict, int]:
+    """POST body to /v1/chat/completions through the middleware; the app behind it records what it
+    received and answers `reply`."""
+    received = {}
+
+    async def app(scope, receive, send):
+        received.update(json.loads((await receive())["body"]))
+        data = json.dumps(reply).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def run():
+        statuses = []
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+        middleware.app = app
+        await middleware({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send)
+        return statuses[0]
+    status = asyncio.run(run())
+    return received, status
+
+
+def test_the_middleware_learns_replies_and_tags_the_rounds_it_gathers():
+    gathering = Gathering(window_s=0.01, round_timeout_s=0.5)
+    middleware = RoundFields(None, endpoint=Endpoint(gathering))
+    for said in SAID:
+        received, status = call(middleware, {"model": "m", "messages": [{"role": "user", "content": "Speak."}]},
+                                {"choices": [{"index": 0, "message": {"content": said}}]})
+        assert status == 200 and "cache_salt" not in received  # quoted nothing: sent on as it came
+    assert gathering.counts == {"passed": 3}
+    received, status = call(middleware, turn("Abigail", [0, 1, 2]), {"choices": []})
+    assert status == 200 and gathering.counts["alone"] == 1  # it quoted the replies, waited, overlapped none
+    assert "cache_salt" not in received and "round_id" not in received
+    bad, status = call(middleware, {**turn("Viktor", [1, 0]), "agent_id": ""}, {"choices": []})
+    assert status == 400 and bad == {}  # refused before it waits
+
+
+def test_the_setting_is_read_from_vllms_transfer_config():
+    config = {"kv_connector": "TokenDanceConnector", "kv_connector_extra_config": {"transparent_rounds": True,
+                                                                                   "gather_window_s": 0.1}}
+    settings = connector_settings(json.dumps(config))
+    assert settings.transparent_rounds and settings.gather_window_s == 0.1
+    assert connector_settings({"kv_connector": "OffloadingConnector"}) is None and connector_settings(None) is None
+    try:
+        connector_settings({**config, "kv_connector_extra_config": {"transparent_rounds": "yes"}})
+    except ValueError as exc:
+        assert "transparent_rounds" in str(exc)
+    else:
+        raise AssertionError("a non-boolean transparent_rounds was accepted")

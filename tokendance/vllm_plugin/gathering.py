@@ -1,0 +1,269 @@
+"""Transparent rounds at the plugin's front door (`transparent_rounds: true` in the connector's
+settings): chat requests that name no round are gathered into rounds, by `tokendance serve`'s rule
+(`tokendance/server/gather.py`), and tagged for the connector as declared members are.
+
+- Candidates. A request is held only if it quotes a recent reply: a line of one of its
+  non-assistant messages holds the start (`MIN_SHARED_CHARS` characters from its first word) of a
+  line that a chat reply of this server wrote lately (content, or a tool call's string arguments).
+  Every other request goes on at once, as it came.
+- Gathering. Candidates wait until none has come for `gather_window_s`, `round_timeout_s` at most
+  after the first. Those that overlap another (a line in common outside their common prefix) form
+  one round per cache namespace; the rest go on as ordinary requests.
+- Agents and salts. A member is its client's `agent_id`, else its conversation: a hash of its
+  namespace and first message (an agent's persona, which stays while the rest of its prompt
+  changes). From its first round on, every request of that agent takes the agent's cache salt,
+  member or not, so its history is found again. Reused (approximate) KV is thus read back only by a
+  request of the same namespace and first message whose tokens agree up to it: the same
+  conversation, by every sign the server has. Of two members of one round with the same first
+  message, the later is an anonymous agent (a salt of its own, no session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+
+from tokendance.server.gather import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
+
+WORD_START = re.compile(r"(?<!\w)\w")
+MAX_REPLY_BYTES = 4 << 20  # a reply longer than this is not read for quotes
+
+
+def line_key(line: str) -> str | None:
+    """What a quote of this reply line is recognised by: its first MIN_SHARED_CHARS characters from
+    its first word (a prompt may prefix it with a name, a bullet or a quote), None if shorter."""
+    start = WORD_START.search(line)
+    if start is None or len(line.rstrip()) - start.start() < MIN_SHARED_CHARS:
+        return None
+    return line[start.start():start.start() + MIN_SHARED_CHARS]
+
+
+def message_text(content) -> str | None:
+    """A chat message's text (string content, or its text parts); None if it is neither."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        return "\n".join(p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str))
+    return None
+
+
+def chat_lines(messages) -> list[dict] | None:
+    """The messages as `{role, content}` text (what the gatherer compares), None if malformed."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    out = []
+    for m in messages:
+        text = message_text(m.get("content")) if isinstance(m, dict) else None
+        if text is None or not isinstance(m.get("role"), str):
+            return None
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
+def strings(value) -> Iterable[str]:
+    """Every string inside a JSON value (a tool call's arguments: what an action wrote)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v)
+
+
+def reply_texts(body: bytes, stream: bool) -> list[str]:
+    """What a chat reply wrote, per choice: its content and its tool calls' string arguments; the
+    reply whole (JSON) or as server-sent events (deltas joined per choice and call)."""
+    if stream:
+        chunks = []
+        for line in body.decode(errors="replace").split("\n"):
+            try:
+                chunks.append(json.loads(line[5:]) if line.startswith("data:") else None)
+            except ValueError:
+                pass
+        choices, part = [c for chunk in chunks if isinstance(chunk, dict) for c in chunk.get("choices") or []], "delta"
+    else:
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return []
+        choices, part = (reply.get("choices") or [] if isinstance(reply, dict) else []), "message"
+    texts: dict = {}
+    arguments: dict = {}
+    for choice in choices:
+        message = choice.get(part) if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        index = str(choice.get("index", 0))
+        if isinstance(message.get("content"), str):
+            texts.setdefault(index, []).append(message["content"])
+        for j, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                arguments.setdefault((index, str(call.get("index", j))), []).append(function["arguments"])
+    out = ["".join(parts) for parts in texts.values()]
+    for parts in arguments.values():
+        try:
+            out += list(strings(json.loads("".join(parts))))
+        except (ValueError, RecursionError):
+            out.append("".join(parts))
+    return [text for text in out if text]
+
+
+class RecentReplies:
+    """The keys (`line_key`) of lines that replies wrote lately: an LRU of `capacity` keys."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, text: str) -> None:
+        for line in text.split("\n"):
+            key = line_key(line)
+            if key is not None:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def quoted_in(self, text: str) -> bool:
+        return any(line[m.start():m.start() + MIN_SHARED_CHARS] in self._keys
+                   for line in text.split("\n") for m in WORD_START.finditer(line))
+
+
+def conversation_id(namespace: str, messages: list[dict]) -> str:
+    first = json.dumps([namespace, messages[0]["role"], messages[0]["content"]])
+    return f"conversation-{hashlib.sha256(first.encode()).hexdigest()[:24]}"
+
+
+class Gathering:
+    """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
+    candidate until its round forms and returns the body to send on; `replies` learns what the
+    server answered. `counts`: requests by outcome (passed, member, alone) and rounds formed."""
+
+    def __init__(self, window_s: float, round_timeout_s: float, max_agents: int = 1 << 16, metric=None):
+        self.gatherer = RoundGatherer(window_s, round_timeout_s)
+        self.replies = RecentReplies()
+        self.counts: Counter[str] = Counter()
+        self.metric = metric  # a labelled Prometheus counter (outcome), or None
+        self._salted: OrderedDict[tuple[str, str], None] = OrderedDict()  # agents whose requests take their salt
+        self._max_agents = max_agents
+        self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def may_join(body: dict) -> bool:
+        """A chat request a round can serve: one choice, no prompt scoring, no round of its own."""
+        params = body.get("kv_transfer_params")
+        return (body.get("round_id") is None and not (isinstance(params, dict) and "tokendance" in params)
+                and body.get("n") in (1, None) and not body.get("prompt_logprobs") and not body.get("echo")
+                and (body.get("agent_id") is None or isinstance(body.get("agent_id"), str)))
+
+    async def admit(self, body: dict) -> dict:
+        """The body to send on: as it came, with its agent's salt, or tagged as a round member."""
+        messages = chat_lines(body.get("messages"))
+        if messages is None or not self.may_join(body):
+            return body
+        salt = body.get("cache_salt")
+        namespace = salt if isinstance(salt, str) else ""
+        agent = body.get("agent_id") or conversation_id(namespace, messages)
+        if not any(self.replies.quoted_in(m["content"]) for m in messages if m["role"] != "assistant"):
+            self._count("passed")
+            return self._salted_body(body, namespace, agent)
+        key = f"gather-{uuid.uuid4().hex}"
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[key] = (future, body, agent)
+        self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace,
+                                   agent_id=body.get("agent_id"), arrival=time.monotonic()))
+        self._arm()
+        try:
+            return await future
+        finally:
+            if self._waiting.pop(key, None) is not None:  # cancelled while waiting
+                self.gatherer.remove(key)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self.metric is not None:
+            self.metric.labels(outcome).inc()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        deadline = self.gatherer.next_deadline()
+        self._timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._close)
+
+    def _close(self) -> None:
+        self._timer = None
+        work = self.gatherer.pop_ready(time.monotonic())
+        for turns in work.rounds:
+            by_namespace: dict[str, list[ChatTurn]] = {}
+            for turn in turns:
+                by_namespace.setdefault(turn.namespace, []).append(turn)
+            for members in by_namespace.values():
+                self._form(members) if len(members) > 1 else self._send_alone(members[0])
+        for turn in work.ordinary:
+            self._send_alone(turn)
+        if len(self.gatherer):
+            self._arm()
+
+    def _form(self, members: list[ChatTurn]) -> None:
+        round_id, agents = f"transparent-{uuid.uuid4().hex}", set()
+        self._count("rounds")
+        for turn in members:
+            future, body, agent = self._waiting.pop(turn.key)
+            if agent in agents:  # a second member with the same first message: an agent of its own
+                agent = f"anonymous-{uuid.uuid4().hex}"
+            else:
+                agents.add(agent)
+                self._remember(turn.namespace, agent)
+            self._count("member")
+            if not future.done():
+                future.set_result({**body, "agent_id": agent, "round_id": round_id, "round_size": len(members)})
+
+    def _send_alone(self, turn: ChatTurn) -> None:
+        future, body, agent = self._waiting.pop(turn.key)
+        self._count("alone")
+        if not future.done():
+            future.set_result(self._salted_body(body, turn.namespace, agent))
+
+    def _remember(self, namespace: str, agent: str) -> None:
+        self._salted[(namespace, agent)] = None
+        self._salted.move_to_end((namespace, agent))
+        while len(self._salted) > self._max_agents:
+            self._salted.popitem(last=False)
+
+    def _salted_body(self, body: dict, namespace: str, agent: str) -> dict:
+        """An agent that was in a round keeps its salt (its history is cached under it)."""
+        if body.get("agent_id") is None and (namespace, agent) in self._salted:
+            return {**body, "agent_id": agent}
+        return body
+
+    def reading_replies(self, send):
+        """`send`, also feeding a successful chat reply's text to `replies`."""
+        chunks, state = [], {"ok": False, "stream": False, "size": 0}
+
+        async def reading(message):
+            if message["type"] == "http.response.start":
+                headers = {k.lower(): v for k, v in message.get("headers", [])}
+                state["ok"] = message["status"] == 200
+                state["stream"] = b"event-stream" in headers.get(b"content-type", b"")
+            elif message["type"] == "http.response.body" and state["ok"]:
+                body = message.get("body", b"")
+                state["size"] += len(body)
+                if state["size"] <= MAX_REPLY_BYTES:
+                    chunks.append(body)
+                if not message.get("more_body", False) and state["size"] <= MAX_REPLY_BYTES:
+                    for text in reply_texts(b"".join(chunks), state["stream"]):
+                        self.replies.add(text)
+            await send(message)
+
+        return reading
