@@ -1,6 +1,7 @@
 """Plain `vllm serve` vs `vllm serve` with the TokenDance plugin vs `tokendance serve`, one after
 the other on this machine, same model, dtype and KV memory, each driven by the same client
-(`tokendance bench --target`; declared rounds for the two that form rounds):
+(`tokendance bench --target`; declared rounds for the two that form rounds, none for
+`vllm+transparent`, the plugin gathering rounds itself):
 
     python benchmarks/vllm_plugin.py --workload generative-agents --agents 16 --rounds 3
 
@@ -25,7 +26,9 @@ from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-SERVERS = ("vllm", "vllm+tokendance", "tokendance")
+SERVERS = ("vllm", "vllm+tokendance", "vllm+transparent", "tokendance")
+DEFAULT_SERVERS = ("vllm", "vllm+tokendance", "tokendance")
+DECLARING = ("vllm+tokendance", "tokendance")  # servers the bench declares rounds to
 
 
 def free_port() -> int:
@@ -48,11 +51,12 @@ def start(name: str, port: int, args, log) -> subprocess.Popen:
                "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                "--max-model-len", "8192", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details"]
     command += getattr(args, "vllm_args", [])
-    if name == "vllm+tokendance":
+    if name in ("vllm+tokendance", "vllm+transparent"):
         env["VLLM_PLUGINS"] = "tokendance"
         config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"recompute_ratio": args.ratio,
-                                                "store_gib": getattr(args, "store_gib", 0)}}
+                                                "store_gib": getattr(args, "store_gib", 0),
+                                                "transparent_rounds": name == "vllm+transparent"}}
         command += ["--kv-transfer-config", json.dumps(config)]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -83,8 +87,8 @@ def run(name: str, args) -> list[dict]:
             out = Path(tempfile.mkdtemp()) / "target.json"
             command = [sys.executable, "-m", "tokendance.cli", "bench", "--target", f"http://127.0.0.1:{port}/v1",
                        "--workload", args.workload, "--agents", str(args.agents), "--rounds", str(args.rounds),
-                       "--out", str(out)]
-            if name != "vllm":
+                       "--loop", args.loop, "--out", str(out)]
+            if name in DECLARING:
                 command.append("--declare-rounds")
             subprocess.run(command, check=True)
             return json.loads(out.read_text())["rounds"]
@@ -103,15 +107,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
+    parser.add_argument("--loop", choices=("open", "closed"), default="open",
+                        help="closed: each round quotes what the agents said (what vllm+transparent gathers on; "
+                             "open: the workload's synthetic outputs, which the server never wrote)")
     parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO,
                         help="recompute ratio of both TokenDance servers (their default selection: EPIC)")
-    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=SERVERS,
+                        help="vllm+transparent: the plugin with transparent_rounds, the bench declaring no round")
     args = parser.parse_args()
     from tokendance.model.platform import probe_cpu
 
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
-    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}.json"
+    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}{'-closed' * (args.loop == 'closed')}.json"
     earlier = json.loads(out.read_text())["rounds"] if out.exists() else {}
     fresh = {name: run(name, args) for name in args.servers}
     # servers not run now keep their last measurement (same workload and size), for the table
@@ -126,6 +134,8 @@ def main() -> int:
         if "vllm" in row:
             line += "".join(f"{row['vllm']['round_seconds'] / r['round_seconds']:>21.2f}x"
                             for name, r in row.items() if name != "vllm")
+        if "vllm+tokendance" in row and "vllm+transparent" in row:
+            line += f"   transparent/declared {row['vllm+transparent']['round_seconds'] / row['vllm+tokendance']['round_seconds']:.2f}x"
         print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": args.workload, "agents": args.agents, "dtype": args.dtype,

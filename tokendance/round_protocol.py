@@ -44,6 +44,12 @@ def completion_refusal(name: str) -> str:
     return f"{name} is a chat request's round field: rounds are declared on /v1/chat/completions (or /v1/rounds)"
 
 
+def agent_salt(agent_id: str, client_salt: str | None) -> str:
+    """The cache salt of one agent's requests inside vLLM (the plugin): reused KV is read back only
+    by that agent."""
+    return f"tokendance:{agent_id}" if client_salt is None else f"{client_salt}:tokendance:{agent_id}"
+
+
 def turn_salt(round_salt: str | None, agent_salt: str | None) -> str | None:
     """The cache salt an agent's turn in /v1/rounds takes: its own, else the round's."""
     return agent_salt if agent_salt is not None else round_salt

@@ -5,7 +5,7 @@ the gatherer; no server needed (the middleware is driven as ASGI)."""
 import asyncio
 import json
 
-from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings
+from tokendance.vllm_plugin.endpoint import FieldError, RoundFields, connector_settings, tag_body
 from tokendance.vllm_plugin.gathering import Gathering, RecentReplies, conversation_id, reply_texts
 
 SAID = ["Abigail thinks the library should stay open until nine every evening.",
@@ -55,11 +55,21 @@ def test_a_quote_is_found_behind_a_name_and_short_lines_are_not_keys():
     assert not replies.quoted_in(SAID[1])
 
 
-def test_requests_quoting_nothing_pass_at_once_untouched():
+def own_turn(body: dict) -> dict:
+    """The body as the gathering sends on a conversation's turn outside any round, less its id."""
+    tag = body["kv_transfer_params"]["tokendance"]
+    assert tag.pop("round_id").startswith("turn-")
+    return body
+
+
+def test_requests_quoting_nothing_pass_at_once_as_rounds_of_one():
     gathering = gathering_with_replies()
     body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story about a cat."}]}
-    assert admit_all(gathering, [body]) == [body]
+    assert own_turn(admit_all(gathering, [body])[0]) == {**body, "kv_transfer_params": {"tokendance": {
+        "round_size": 1, "namespace": "", "agent_id": conversation_id("", body["messages"]), "transparent": True}}}
     assert gathering.counts == {"passed": 1} and len(gathering.gatherer) == 0
+    declared_agent = {**body, "agent_id": "alice"}  # the client's own agent: as it came (tag_body salts it)
+    assert admit_all(gathering, [declared_agent]) == [declared_agent]
 
 
 def test_requests_quoting_replies_at_different_positions_form_one_round_per_namespace():
@@ -68,24 +78,30 @@ def test_requests_quoting_replies_at_different_positions_form_one_round_per_name
               turn("Rosa", [0, 2, 1], cache_salt="tenant-b"), turn("Omar", [2, 1, 0], cache_salt="tenant-b")]
     sent = admit_all(gathering, bodies)
     assert all(s["messages"] == b["messages"] for s, b in zip(sent, bodies))
-    rounds = [{s["round_id"] for s in sent[:3]}, {s["round_id"] for s in sent[3:]}]
+    tags = [s["kv_transfer_params"]["tokendance"] for s in sent]
+    rounds = [{t["round_id"] for t in tags[:3]}, {t["round_id"] for t in tags[3:]}]
     assert all(len(r) == 1 for r in rounds) and rounds[0] != rounds[1]  # one round per namespace
-    assert [s["round_size"] for s in sent] == [3, 3, 3, 2, 2]
-    assert [s["agent_id"] for s in sent] == [conversation_id(b.get("cache_salt", ""), b["messages"]) for b in bodies]
+    assert [t["round_size"] for t in tags] == [3, 3, 3, 2, 2]
+    assert [t["namespace"] for t in tags] == ["", "", "", "tenant-b", "tenant-b"]
+    assert [t["agent_id"] for t in tags] == [conversation_id(b.get("cache_salt", ""), b["messages"]) for b in bodies]
+    assert all(t["transparent"] for t in tags)
+    # a conversation keeps its own salt: its history stays where plain prefix caching put it
+    assert [s.get("cache_salt") for s in sent] == [b.get("cache_salt") for b in bodies]
     assert gathering.counts == {"member": 5, "rounds": 2}
-    # the agents' next requests take their salts, also when they quote nothing
-    later = turn("Abigail", [])
-    later["messages"][1]["content"] = "What do you plan for tomorrow?"
-    assert admit_all(gathering, [later])[0]["agent_id"] == sent[0]["agent_id"]
-    stranger = turn("Nadia", [])
-    assert "agent_id" not in admit_all(gathering, [stranger])[0]
 
 
 def test_two_members_with_one_first_message_are_two_agents():
     gathering = gathering_with_replies()
-    sent = admit_all(gathering, [turn("Abigail", [0, 1, 2]), turn("Abigail", [1, 0, 2])])
-    assert sent[0]["round_id"] == sent[1]["round_id"]
-    assert sent[0]["agent_id"].startswith("conversation-") and sent[1]["agent_id"].startswith("anonymous-")
+    sent = admit_all(gathering, [turn("Abigail", [0, 1, 2]), turn("Abigail", [1, 0, 2]),
+                                 turn("Viktor", [2, 1, 0], agent_id="viktor")])
+    tags = [s["kv_transfer_params"]["tokendance"] for s in sent]
+    assert len({t["round_id"] for t in tags}) == 1
+    assert tags[0]["agent_id"].startswith("conversation-") and "cache_salt" not in sent[0]
+    # the second Abigail could agree with the first up to a reused piece: a salt of its own
+    assert tags[1]["agent_id"].startswith("anonymous-") and sent[1]["cache_salt"] == f"tokendance:{tags[1]['agent_id']}"
+    # the client's own agent: salted as a declared agent is
+    assert tags[2]["agent_id"] == "viktor" and sent[2]["cache_salt"] == "tokendance:viktor" and "agent_id" not in sent[2]
+    assert "transparent" not in tags[1] and "transparent" not in tags[2]
 
 
 def test_a_held_request_that_overlaps_no_other_goes_alone_and_a_declared_round_is_not_held():
@@ -93,7 +109,8 @@ def test_a_held_request_that_overlaps_no_other_goes_alone_and_a_declared_round_i
     alone = turn("Abigail", [0])
     declared = {**turn("Viktor", [1, 0]), "round_id": "r1", "agent_id": "viktor"}
     assert not gathering.may_join(declared) and not gathering.may_join({**alone, "n": 2})
-    assert admit_all(gathering, [alone]) == [alone]
+    sent = own_turn(admit_all(gathering, [alone])[0])
+    assert sent["messages"] == alone["messages"] and sent["kv_transfer_params"]["tokendance"]["round_size"] == 1
     assert gathering.counts == {"alone": 1}
 
 
@@ -149,7 +166,8 @@ def test_the_middleware_learns_replies_and_tags_the_rounds_it_gathers():
     for said in SAID:
         received, status = call(middleware, {"model": "m", "messages": [{"role": "user", "content": "Speak."}]},
                                 {"choices": [{"index": 0, "message": {"content": said}}]})
-        assert status == 200 and "cache_salt" not in received  # quoted nothing: sent on as it came
+        assert status == 200 and "cache_salt" not in received  # quoted nothing: sent on as a round of one
+        assert received["kv_transfer_params"]["tokendance"]["round_size"] == 1
     assert gathering.counts == {"passed": 3}
     received, status = call(middleware, turn("Abigail", [0, 1, 2]), {"choices": []})
     assert status == 200 and gathering.counts["alone"] == 1  # it quoted the replies, waited, overlapped none
@@ -170,3 +188,14 @@ def test_the_setting_is_read_from_vllms_transfer_config():
         assert "transparent_rounds" in str(exc)
     else:
         raise AssertionError("a non-boolean transparent_rounds was accepted")
+
+
+def test_a_client_cannot_write_a_gathered_members_tag():
+    tag = {"round_id": "r", "agent_id": "a", "round_size": 2, "transparent": True}
+    body = {**turn("Abigail", [0]), "kv_transfer_params": {"tokendance": tag}, "cache_salt": "s"}
+    try:
+        tag_body(body)
+    except FieldError as exc:
+        assert exc.param == "kv_transfer_params.tokendance" and "transparent" in str(exc)
+    else:
+        raise AssertionError("a client-written transparent tag was accepted")

@@ -132,6 +132,8 @@ def test_undeclared_requests_quoting_the_last_rounds_replies_form_a_round(server
         said = list(pool.map(lambda t: chat(server, list(t.messages), max_tokens=24), first))
     middle = prometheus(server)
     assert middle.get(passed, 0) - before.get(passed, 0) == 4 and middle.get(members, 0) == before.get(members, 0)
+    single = 'vllm:tokendance_rounds_total{formed="single"}'  # each a round of one, keeping its session
+    assert middle.get(single, 0) - before.get(single, 0) == 4
     history = [{t.agent_id: r.choices[0].message.content.strip() for t, r in zip(first, said)}]
     second = workload.turns(1, history)
     with ThreadPoolExecutor(4) as pool:

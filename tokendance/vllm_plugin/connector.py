@@ -12,7 +12,9 @@ long a mirror waits for its masters before it is computed exactly), `claim_token
 mirrors wait as vLLM's asynchronous loads and, while requests decode, the workers advance the
 passes by at most n full-model token equivalents per engine step), `store_gib` (0: the session
 store's budget; > 0: every round member's KV is kept at rest in Master-Mirror form in the
-workers' memory, and read back where vLLM's prefix cache lost it: `store.py`).
+workers' memory, and read back where vLLM's prefix cache lost it: `store.py`),
+`transparent_rounds` (false: the endpoint gathers chat requests that name no round into rounds)
+and `gather_window_s` (0.05).
 
 Split by role, as vLLM's larger connectors are: this facade, the scheduler side in the engine core
 (`scheduler_side.py`: the round book of `rounds.py` holds mirrors until their masters are computed,
@@ -23,7 +25,10 @@ Whatever it cannot do (a model, layout or config it does not know, a master gone
 computed by vLLM exactly.
 
 Approximate KV goes into vLLM's prefix cache under the mirror's own `cache_salt`: a mirror
-without a salt is computed exactly, so no other request can take reused KV for an exact hit.
+without a salt is computed exactly, so no other request can take reused KV for an exact hit. The
+exception is a member the endpoint gathered from a conversation (`transparent` in its tag,
+`gathering.py`): its agent is its prompt's first message, and vLLM's block hashes, chained from
+position 0, already keep its KV to requests that agree with it token for token up to there.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@
   (`agent_id`, `round_id`, `round_size`) is rewritten for the connector: the fields go into
   `kv_transfer_params.tokendance`, and the request gets the agent's own cache salt (within the
   client's `cache_salt`, which also names the round's namespace). Existing clients and
-  `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`.
+  `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`. With the
+  connector's `transparent_rounds`, it also gathers chat requests that name no round into rounds
+  (`gathering.py`).
 - `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
   turn is one chat request to this same server (through the middleware), all at once.
 
@@ -23,8 +25,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, completion_refusal, refusal,
-                                       refused_field, round_answer, turn_salt)
+from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, agent_salt,
+                                       completion_refusal, refusal, refused_field, round_answer, turn_salt)
 from tokendance.vllm_plugin.gathering import Gathering
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 from tokendance.vllm_plugin.settings import Settings
@@ -38,11 +40,6 @@ class FieldError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-def agent_salt(agent_id: str, client_salt: str | None) -> str:
-    """The cache salt of one agent's requests: reused KV is read back only by that agent."""
-    return f"tokendance:{agent_id}" if client_salt is None else f"{client_salt}:tokendance:{agent_id}"
 
 
 def tag_body(body: dict, chat: bool = True) -> dict:
@@ -89,6 +86,9 @@ def tag_body(body: dict, chat: bool = True) -> dict:
 def check_own_tag(params: dict, salt, fields: dict) -> None:
     """A round tag the client wrote: refused with the field named if the connector could not use it."""
     param = "kv_transfer_params.tokendance"
+    if isinstance(params["tokendance"], dict) and "transparent" in params["tokendance"]:
+        raise FieldError(f"{param}.transparent is the server's own (a gathered member); declare a round with "
+                         f"{', '.join(ROUND_FIELDS)} instead", param)
     if fields:
         raise FieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
     try:
@@ -163,7 +163,9 @@ class RoundFields:
             try:
                 if gathering is not None and gathering.may_join(body):
                     tag_body(dict(body))  # a malformed field is refused before the request waits
-                    body = await gathering.admit(body)
+                    admitted = await gathering.admit(body)
+                    if admitted is not body:  # a round member, tagged by the gathering
+                        raw, body = json.dumps(admitted).encode(), {}
                 if any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body:
                     raw = json.dumps(tag_body(body, chat=chat)).encode()
             except FieldError as exc:

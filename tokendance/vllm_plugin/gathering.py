@@ -9,13 +9,15 @@ settings): chat requests that name no round are gathered into rounds, by `tokend
 - Gathering. Candidates wait until none has come for `gather_window_s`, `round_timeout_s` at most
   after the first. Those that overlap another (a line in common outside their common prefix) form
   one round per cache namespace; the rest go on as ordinary requests.
-- Agents and salts. A member is its client's `agent_id`, else its conversation: a hash of its
-  namespace and first message (an agent's persona, which stays while the rest of its prompt
-  changes). From its first round on, every request of that agent takes the agent's cache salt,
-  member or not, so its history is found again. Reused (approximate) KV is thus read back only by a
-  request of the same namespace and first message whose tokens agree up to it: the same
-  conversation, by every sign the server has. Of two members of one round with the same first
-  message, the later is an anonymous agent (a salt of its own, no session).
+- Agents and salts. A member is its client's `agent_id` (salted as a declared agent), else its
+  conversation: a hash of its namespace and first message (an agent's persona, which stays while
+  the rest of its prompt changes). A conversation's member keeps its request's cache salt: vLLM's
+  block hashes chain every token from position 0 (and the client's salt), so the KV a mirror
+  reuses is found again only by a request whose tokens agree with it up to there (the same
+  conversation by every sign the server has: its next turn finds its history, as in plain vLLM),
+  and requests that are never held keep vLLM's prefix caching as it is. Of two members of one round
+  with the same first message, the later is an anonymous agent with a salt of its own (their
+  prompts could agree up to a reused piece).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
+from tokendance.round_protocol import agent_salt
 from tokendance.server.gather import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
 
 WORD_START = re.compile(r"(?<!\w)\w")
@@ -145,17 +148,16 @@ def conversation_id(namespace: str, messages: list[dict]) -> str:
 
 class Gathering:
     """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
-    candidate until its round forms and returns the body to send on; `replies` learns what the
-    server answered. `counts`: requests by outcome (passed, member, alone) and rounds formed."""
+    candidate until its round forms and returns the body to send on (a member's with its tag for
+    the connector, in `kv_transfer_params.tokendance`); `replies` learns what the server answered.
+    `counts`: requests by outcome (passed, member, alone) and rounds formed."""
 
-    def __init__(self, window_s: float, round_timeout_s: float, max_agents: int = 1 << 16, metric=None):
+    def __init__(self, window_s: float, round_timeout_s: float, metric=None):
         self.gatherer = RoundGatherer(window_s, round_timeout_s)
         self.replies = RecentReplies()
         self.counts: Counter[str] = Counter()
         self.metric = metric  # a labelled Prometheus counter (outcome), or None
-        self._salted: OrderedDict[tuple[str, str], None] = OrderedDict()  # agents whose requests take their salt
-        self._max_agents = max_agents
-        self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future, dict]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     @staticmethod
@@ -167,19 +169,18 @@ class Gathering:
                 and (body.get("agent_id") is None or isinstance(body.get("agent_id"), str)))
 
     async def admit(self, body: dict) -> dict:
-        """The body to send on: as it came, with its agent's salt, or tagged as a round member."""
+        """The body to send on: this one as it came, or a new one tagged as a round member."""
         messages = chat_lines(body.get("messages"))
         if messages is None or not self.may_join(body):
             return body
         salt = body.get("cache_salt")
         namespace = salt if isinstance(salt, str) else ""
-        agent = body.get("agent_id") or conversation_id(namespace, messages)
         if not any(self.replies.quoted_in(m["content"]) for m in messages if m["role"] != "assistant"):
             self._count("passed")
-            return self._salted_body(body, namespace, agent)
+            return self._own_turn(body, namespace, messages)
         key = f"gather-{uuid.uuid4().hex}"
         future = asyncio.get_running_loop().create_future()
-        self._waiting[key] = (future, body, agent)
+        self._waiting[key] = (future, body)
         self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace,
                                    agent_id=body.get("agent_id"), arrival=time.monotonic()))
         self._arm()
@@ -216,36 +217,42 @@ class Gathering:
             self._arm()
 
     def _form(self, members: list[ChatTurn]) -> None:
-        round_id, agents = f"transparent-{uuid.uuid4().hex}", set()
+        round_id, conversations = f"transparent-{uuid.uuid4().hex}", set()
         self._count("rounds")
         for turn in members:
-            future, body, agent = self._waiting.pop(turn.key)
-            if agent in agents:  # a second member with the same first message: an agent of its own
-                agent = f"anonymous-{uuid.uuid4().hex}"
-            else:
-                agents.add(agent)
-                self._remember(turn.namespace, agent)
+            future, body = self._waiting.pop(turn.key)
+            body = {k: v for k, v in body.items() if k != "agent_id"}
+            tag = {"round_id": round_id, "round_size": len(members), "namespace": turn.namespace}
+            conversation = conversation_id(turn.namespace, turn.messages)
+            if turn.agent_id is None and conversation not in conversations:
+                conversations.add(conversation)
+                tag.update(agent_id=conversation, transparent=True)
+            else:  # the client's agent, or a second member with the same first message: salted
+                tag["agent_id"] = turn.agent_id or f"anonymous-{uuid.uuid4().hex}"
+                body["cache_salt"] = agent_salt(tag["agent_id"], turn.namespace or None)
+            params = body.get("kv_transfer_params")
+            body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), "tokendance": tag}
             self._count("member")
             if not future.done():
-                future.set_result({**body, "agent_id": agent, "round_id": round_id, "round_size": len(members)})
+                future.set_result(body)
 
     def _send_alone(self, turn: ChatTurn) -> None:
-        future, body, agent = self._waiting.pop(turn.key)
+        future, body = self._waiting.pop(turn.key)
         self._count("alone")
         if not future.done():
-            future.set_result(self._salted_body(body, turn.namespace, agent))
+            future.set_result(self._own_turn(body, turn.namespace, turn.messages))
 
-    def _remember(self, namespace: str, agent: str) -> None:
-        self._salted[(namespace, agent)] = None
-        self._salted.move_to_end((namespace, agent))
-        while len(self._salted) > self._max_agents:
-            self._salted.popitem(last=False)
-
-    def _salted_body(self, body: dict, namespace: str, agent: str) -> dict:
-        """An agent that was in a round keeps its salt (its history is cached under it)."""
-        if body.get("agent_id") is None and (namespace, agent) in self._salted:
-            return {**body, "agent_id": agent}
-        return body
+    @staticmethod
+    def _own_turn(body: dict, namespace: str, messages: list[dict]) -> dict:
+        """A conversation's turn outside any round: a round of one (computed whole, nothing held),
+        so that the connector keeps its session for the rounds to come. A client's own agent
+        goes as it came (its session is the declared agent's)."""
+        if body.get("agent_id") is not None:
+            return body
+        tag = {"round_id": f"turn-{uuid.uuid4().hex}", "round_size": 1, "namespace": namespace,
+               "agent_id": conversation_id(namespace, messages), "transparent": True}
+        params = body.get("kv_transfer_params")
+        return {**body, "kv_transfer_params": {**(params if isinstance(params, dict) else {}), "tokendance": tag}}
 
     def reading_replies(self, send):
         """`send`, also feeding a successful chat reply's text to `replies`."""

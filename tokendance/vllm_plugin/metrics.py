@@ -13,8 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # stats key (before any ".label") -> (metric name, label name or None, help)
 COUNTERS: dict[str, tuple[str, str | None, str]] = {
-    "rounds_complete": ("rounds", "formed", "rounds planned, by how they formed (complete: every member came; timeout)"),
+    "rounds_complete": ("rounds", "formed", "rounds planned, by how they formed (complete: every member came; timeout; "
+                                            "single: a round of one, a conversation's turn outside any round)"),
     "rounds_timed_out": ("rounds", "formed", ""),
+    "rounds_single": ("rounds", "formed", ""),
     "members": ("members", "role", "round members, by role (master: computed in full; mirror: reuses; exact)"),
     "mirrors": ("mirrors_filled", None, "mirrors whose claimed range a pass filled"),
     "failed_mirrors": ("mirrors_failed", None, "mirrors whose pass failed (their blocks recomputed by vLLM)"),
@@ -47,7 +49,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "store_bytes": ("store_bytes", "bytes the session store holds (masters, diffs, own rows)"),
     "store_agents": ("store_agents", "agents the session store holds"),
 }
-LABEL_OF = {"rounds_complete": "complete", "rounds_timed_out": "timeout"}
+LABEL_OF = {"rounds_complete": "complete", "rounds_timed_out": "timeout", "rounds_single": "single"}
 
 
 def split_key(key: str) -> tuple[str, str | None]:

@@ -46,6 +46,9 @@ class RoundTag:
     namespace: str = ""
     recompute_ratio: float | None = None  # None: the connector's setting
     anchors: int | None = None  # in-round anchors of its round (the first member's); None: the connector's
+    # a member the endpoint gathered (`gathering.py`), identified by its prompt's first message: it
+    # needs no salt of its own (vLLM's block hashes chain its tokens from position 0)
+    transparent: bool = False
 
     @classmethod
     def parse(cls, params) -> "RoundTag | None":
@@ -69,10 +72,14 @@ class RoundTag:
         anchors = tag.get("anchors")
         if anchors is not None and not valid_anchors(anchors):
             raise RoundParamsError(f"kv_transfer_params.tokendance.anchors must be an integer in [1, {MAX_ANCHORS}]")
-        unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio", "anchors"}
+        transparent = tag.get("transparent", False)
+        if not isinstance(transparent, bool):
+            raise RoundParamsError("kv_transfer_params.tokendance.transparent must be true or false")
+        unknown = set(tag) - {"round_id", "agent_id", "round_size", "namespace", "recompute_ratio", "anchors",
+                              "transparent"}
         if unknown:
             raise RoundParamsError(f"kv_transfer_params.tokendance: unknown fields {sorted(unknown)}")
-        return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio), anchors)
+        return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio), anchors, transparent)
 
 
 @dataclass
@@ -527,7 +534,7 @@ class RoundBook:
         round_.planned = True
         members = list(round_.members.values())
         complete = round_.size is not None and len(members) >= round_.size
-        self.counters["rounds_complete" if complete else "rounds_timed_out"] += 1
+        self.counters["rounds_single" if round_.size == 1 else "rounds_complete" if complete else "rounds_timed_out"] += 1
         holders: dict[bytes, int] = {}
         for member in members:
             for key in {p.key for p in member.pieces}:

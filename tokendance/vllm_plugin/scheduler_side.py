@@ -74,7 +74,7 @@ class SchedulerSide:
             return
         if tag is None:
             return
-        if not request.cache_salt:
+        if not request.cache_salt and not tag.transparent:
             logger.warning("TokenDanceConnector: request %s of round %r has no cache_salt: computed exactly "
                            "(reused KV enters the prefix cache only under the agent's own salt)",
                            request.request_id, tag.round_id)
@@ -190,7 +190,7 @@ class SchedulerSide:
         """Keep a finished member's KV in the store (its blocks held until the workers copied
         them); not a mirror whose pass is still running, nor one the store cannot name."""
         length = min(request.num_computed_tokens, len(block_ids) * self.book.block_size)
-        if (self.store_index is None or not member.salt or length <= 0
+        if (self.store_index is None or not (member.salt or member.tag.transparent) or length <= 0
                 or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
             return False
         pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
