@@ -8,7 +8,7 @@ VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
 DSTAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-slow test-fast test-vllm vllm bench docs clean
+.PHONY: demo test test-slow test-fast test-vllm vllm oasis bench docs clean
 
 # Every run prints its slowest tests, so where the suite's time goes shows in every log.
 DURATIONS := --durations=25
@@ -39,6 +39,19 @@ $(VSTAMP): pyproject.toml tokendance/vllm_plugin/install_cpu.py
 	touch $(VSTAMP)
 
 vllm: $(VSTAMP)
+
+# OASIS (CAMEL-AI's social-media simulation) in an environment of its own, for
+# benchmarks/oasis_bench.py: torch first so pip keeps the CPU build; mcp 2 breaks `import oasis`.
+OVENV  := .venv-oasis
+OSTAMP := $(OVENV)/.installed
+$(OSTAMP): benchmarks/oasis-requirements.txt
+	python3 -m venv $(OVENV)
+	$(OVENV)/bin/python -m pip install -q --upgrade pip
+	$(OVENV)/bin/python -m pip install -q torch==2.13.0
+	$(OVENV)/bin/python -m pip install -q -r benchmarks/oasis-requirements.txt
+	touch $(OSTAMP)
+
+oasis: $(OSTAMP)
 
 demo: $(STAMP)
 	$(PY) -m tokendance.cli demo

@@ -543,11 +543,15 @@ class RoundBook:
                       if holders[p.key] > 1 and p.end - p.start >= self.min_piece_tokens} for m in members]
         anchors = next((m.tag.anchors for m in members if m.tag.anchors is not None), self.anchors)
         masters = [members[i] for i in choose_anchors(shared_of, anchors)]
+        # each piece's encodings: its first occurrence in up to `anchors` masters (a line repeated
+        # in every master, such as a JSON field, is read once, not averaged over all of them)
         where: dict[bytes, list[tuple[Member, int]]] = {}
         for master in masters:
             master.role = "master"
             for piece in master.pieces:
-                where.setdefault(piece.key, []).append((master, piece.start))
+                held = where.setdefault(piece.key, [])
+                if len(held) < anchors and all(m is not master for m, _ in held):
+                    held.append((master, piece.start))
         # A shared piece no master holds is computed by its first holder and reused by the others
         # (a later member, so no cycle): in the first holder's pass, or the one after.
         provided: dict[bytes, tuple[Member, int]] = {}

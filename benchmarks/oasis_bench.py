@@ -1,0 +1,135 @@
+"""OASIS, unmodified, against plain vLLM, vLLM with the plugin's transparent rounds and `tokendance
+serve`, one server after the other (a fresh one per agent count: a server's prefix cache would
+carry over between runs with the same profiles), same model, dtype and KV memory:
+
+    make oasis    # OASIS in an environment of its own (.venv-oasis)
+    python benchmarks/oasis_bench.py --agents 16 32 --steps 3
+
+Each run is `benchmarks/oasis_run.py` inside .venv-oasis (OASIS's own agents, Reddit platform and
+tool calls; the client declares no round). Prints per server, agent count and step: the wall
+time, chat requests and those that failed, OASIS's agent errors (replies it could not act on), the
+agents that acted, prompt and cached tokens and the rounds the server formed; then each step's time
+against plain vLLM. Writes benchmarks/results/oasis.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_plugin import free_port, start, wait_ready  # noqa: E402
+
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OASIS_PYTHON = ROOT / ".venv-oasis" / "bin" / "python"
+SERVERS = ("vllm", "vllm+transparent", "tokendance")
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # vLLM answers tool calls only so
+
+
+def wait_model(port: int, timeout: float = 600) -> None:
+    """Until /v1/models answers (`tokendance serve` is healthy before its model has loaded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server's model did not load")
+
+
+def run(name: str, agents: int, args) -> dict:
+    port = free_port()
+    with tempfile.TemporaryFile() as log:
+        server = start(name, port, args, log)
+        try:
+            wait_ready(port, server, log)
+            wait_model(port)
+            out = Path(tempfile.mkdtemp()) / "oasis.json"
+            print(f"{name}, {agents} agents:", flush=True)
+            driver = subprocess.run([str(OASIS_PYTHON), str(ROOT / "benchmarks" / "oasis_run.py"), "--url",
+                                     f"http://127.0.0.1:{port}/v1", "--agents", str(agents), "--steps", str(args.steps),
+                                     "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--out", str(out)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # OASIS logs every agent's prompt: print the driver's step lines, and the end of the log on failure
+            print("\n".join(line for line in driver.stdout.splitlines() if line.startswith("step ")), flush=True)
+            if driver.returncode != 0:
+                raise SystemExit(f"OASIS failed against {name}:\n{driver.stdout[-3000:]}")
+            return json.loads(out.read_text())
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def table(results: dict) -> str:
+    lines = [f"{'server':>17} {'N':>3} {'step':>4} {'seconds':>8} {'calls':>6} {'failed':>6} {'errors':>6} "
+             f"{'acted':>6} {'prompt tok':>11} {'cached':>8} {'rounds':>7}  actions"]
+    for name, by_n in results.items():
+        for n, run in by_n.items():
+            for s in run["steps"]:
+                server = s["server"]
+                rounds = sum(v for k, v in server.items() if k.startswith("rounds.") and not k.endswith((".single", ".api")))
+                lines.append(f"{name:>17} {n:>3} {s['step']:>4} {s['seconds']:>8.2f} {s['llm_calls']:>6} "
+                             f"{s['failed_calls']:>6} {s['agent_errors']:>6} {s['agents_acted']:>6} "
+                             f"{int(server.get('prompt_tokens', 0)):>11} {int(server.get('cached_tokens', 0)):>8} "
+                             f"{int(rounds):>7}  " + ", ".join(f"{k} {v}" for k, v in sorted(s["actions"].items())))
+    if "vllm" in results:
+        lines.append("step time, plain vLLM / server:")
+        for name, by_n in results.items():
+            for n, run in by_n.items():
+                base = results["vllm"].get(n)
+                if name == "vllm" or base is None:
+                    continue
+                ratios = [b["seconds"] / s["seconds"] for b, s in zip(base["steps"], run["steps"])]
+                lines.append(f"{name:>17} {n:>3}  " + "  ".join(f"step {i + 1} {r:.2f}x" for i, r in enumerate(ratios)))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, nargs="+", default=[16])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128, help="each reply's max_completion_tokens")
+    parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
+    parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
+    parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO)
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    args = parser.parse_args()
+    if not OASIS_PYTHON.exists():
+        raise SystemExit("OASIS's environment is missing: run `make oasis` first")
+    from tokendance.model.platform import probe_cpu
+
+    cpu = probe_cpu()
+    args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
+    args.vllm_args = TOOL_ARGS
+    out = ROOT / "benchmarks" / "results" / "oasis.json"
+    fresh = {name: {str(n): run(name, n, args) for n in args.agents} for name in args.servers}
+    # servers and agent counts not run now keep their last measurement, for the table
+    earlier = json.loads(out.read_text())["results"] if out.exists() else {}
+    results = {name: {**earlier.get(name, {}), **fresh.get(name, {})} for name in SERVERS if name in earlier or name in fresh}
+    print(f"\nOASIS (Reddit, {args.steps} steps), {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability} "
+          f"(measured now: {', '.join(fresh)}; others: the last run's)")
+    print(table(results))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"dtype": args.dtype, "kv_gib": args.kv_gib, "cpu": cpu.capability, "steps": args.steps,
+                               "results": results}, indent=2))
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
