@@ -101,6 +101,24 @@ def test_in_round_anchors_plan_several_masters_and_mirrors_read_all_their_encodi
         assert prompts[owner][start:start + span.length] == ids[span.start:span.start + span.length]
 
 
+def test_a_piece_a_master_holds_twice_is_read_from_its_first_occurrence_only():
+    """A line repeated within the masters' prompts (a JSON field in every post) has one encoding per
+    anchor, not one per occurrence: the mirror reads the master's first occurrence."""
+    b = book()
+    line, other = OUTPUTS[0], OUTPUTS[1]
+    prompts = {"a0": prompt([100] * 3, [line, line, other], [200]), "a1": prompt([101] * 4, [line], [201]),
+               "a2": prompt([102] * 5, [other], [202])}
+    for agent, ids in prompts.items():
+        b.add(agent, tag(agent), ids, now=0.0)
+    assert b.find("a0").role == "master"
+    b.mark_ready("a0", [5, 6])
+    assert b.claim("a1", 0, now=0.1) and b.claim("a2", 0, now=0.1)
+    first = prompts["a0"].index(line[0])
+    (span,) = b.loads_for(b.find("a1"))
+    assert span.sources == [([5, 6], first)]
+    assert len(b.loads_for(b.find("a2"))[0].sources) == 1
+
+
 def test_claims_skip_what_vllms_prefix_cache_holds():
     b = book()
     prompts, master, (mirror, _) = planned(b)
