@@ -60,7 +60,8 @@ def run(name: str, agents: int, args) -> dict:
             driver = subprocess.run([str(OASIS_PYTHON), str(ROOT / "benchmarks" / "oasis_run.py"), "--url",
                                      f"http://127.0.0.1:{port}/v1", "--agents", str(agents), "--steps", str(args.steps),
                                      "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--out", str(out)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    cwd=out.parent)  # OASIS writes its logs to ./log
             # OASIS logs every agent's prompt: print the driver's step lines, and the end of the log on failure
             print("\n".join(line for line in driver.stdout.splitlines() if line.startswith("step ")), flush=True)
             if driver.returncode != 0:

@@ -3,7 +3,10 @@ OpenAI-compatible server, as its users run it: its own agents, profiles, Reddit 
 tool calls, no source edits. Runs inside OASIS's own environment (`make oasis`: .venv-oasis), which
 shares nothing with this package; `benchmarks/oasis_bench.py` starts the servers and runs this.
 
-    .venv-oasis/bin/python benchmarks/oasis_run.py --url http://127.0.0.1:8000/v1 --agents 16 --steps 3
+    .venv-oasis/bin/python benchmarks/oasis_run.py --url http://127.0.0.1:8000/v1 --agents 16 --steps 3 --out r.json
+
+(OASIS writes its logs to ./log of the directory it runs in; `oasis_bench.py` runs it in a
+temporary one.)
 
 Step 0 seeds the forum with a few posts (OASIS's ManualAction, no LLM); every later step asks all
 agents at once for their actions (LLMAction: one chat request with OASIS's 13 Reddit tools per
