@@ -99,6 +99,20 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(a: dict, b: dict) -> str:
+    """Per server, agent count and step of both: the agents that acted in each, and the share of
+    agents whose actions (which tools, in order) were the same in both runs."""
+    lines = [f"{'server':>17} {'N':>3} {'step':>4} {'acted A':>8} {'acted B':>8} {'same actions':>13}"]
+    for name in a.keys() & b.keys():
+        for n in a[name].keys() & b[name].keys():
+            for x, y in zip(a[name][n]["steps"], b[name][n]["steps"]):
+                agents = range(int(n))
+                same = sum(x["agent_actions"].get(str(i), []) == y["agent_actions"].get(str(i), []) for i in agents)
+                lines.append(f"{name:>17} {n:>3} {x['step']:>4} {x['agents_acted']:>8} {y['agents_acted']:>8} "
+                             f"{same / int(n):>12.0%}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, nargs="+", default=[16])
@@ -109,7 +123,14 @@ def main() -> int:
     parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
     parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO)
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "oasis.json"))
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                        help="compare the agents' actions of two result files (each server and agent count "
+                             "in both), step by step, and exit")
     args = parser.parse_args()
+    if args.compare:
+        print(compare(*(json.loads(Path(p).read_text())["results"] for p in args.compare)))
+        return 0
     if not OASIS_PYTHON.exists():
         raise SystemExit("OASIS's environment is missing: run `make oasis` first")
     from tokendance.model.platform import probe_cpu
@@ -117,7 +138,7 @@ def main() -> int:
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
     args.vllm_args = TOOL_ARGS
-    out = ROOT / "benchmarks" / "results" / "oasis.json"
+    out = Path(args.out)
     fresh = {name: {str(n): run(name, n, args) for n in args.agents} for name in args.servers}
     # servers and agent counts not run now keep their last measurement, for the table
     earlier = json.loads(out.read_text())["results"] if out.exists() else {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -34,6 +35,8 @@ from tokendance.vllm_plugin.settings import Settings
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
 GUARDED_PATHS = (*TAGGED_PATHS, "/v1/responses", "/v1/rounds")
 ROUND_ONLY = ("agents", "cache_salt")  # /v1/rounds fields that are not chat fields
+
+logger = logging.getLogger("tokendance.vllm")
 
 
 class FieldError(ValueError):
@@ -270,6 +273,9 @@ class RoundsEndpoint:
         settings = connector_settings(getattr(args, "kv_transfer_config", None))
         if settings is not None and settings.transparent_rounds:
             self.gathering = Gathering(settings.gather_window_s, settings.round_timeout_s, metric=transparent_counter())
+            if (getattr(args, "api_server_count", None) or 1) > 1:
+                logger.warning("TokenDance transparent rounds: each of the %d API server processes gathers the "
+                               "requests it receives alone; a round forms only among those", args.api_server_count)
 
     async def _run_round(self, body: dict, requests: list[dict], authorization: str | None):
         import httpx
