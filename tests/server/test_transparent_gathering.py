@@ -66,7 +66,7 @@ def test_requests_quoting_nothing_pass_at_once_as_rounds_of_one():
     gathering = gathering_with_replies()
     body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story about a cat."}]}
     assert own_turn(admit_all(gathering, [body])[0]) == {**body, "kv_transfer_params": {"tokendance": {
-        "round_size": 1, "namespace": "", "agent_id": conversation_id("", body["messages"]), "transparent": True}}}
+        "round_size": 1, "namespace": "", "agent_id": conversation_id("", body["messages"], "m"), "transparent": True}}}
     assert gathering.counts == {"passed": 1} and len(gathering.gatherer) == 0
     declared_agent = {**body, "agent_id": "alice"}  # the client's own agent: as it came (tag_body salts it)
     assert admit_all(gathering, [declared_agent]) == [declared_agent]
@@ -83,11 +83,24 @@ def test_requests_quoting_replies_at_different_positions_form_one_round_per_name
     assert all(len(r) == 1 for r in rounds) and rounds[0] != rounds[1]  # one round per namespace
     assert [t["round_size"] for t in tags] == [3, 3, 3, 2, 2]
     assert [t["namespace"] for t in tags] == ["", "", "", "tenant-b", "tenant-b"]
-    assert [t["agent_id"] for t in tags] == [conversation_id(b.get("cache_salt", ""), b["messages"]) for b in bodies]
+    assert [t["agent_id"] for t in tags] == [conversation_id(b.get("cache_salt", ""), b["messages"], "m") for b in bodies]
     assert all(t["transparent"] for t in tags)
     # a conversation keeps its own salt: its history stays where plain prefix caching put it
     assert [s.get("cache_salt") for s in sent] == [b.get("cache_salt") for b in bodies]
     assert gathering.counts == {"member": 5, "rounds": 2}
+
+
+def test_images_other_models_and_scored_prompts_are_kept_apart():
+    gathering = gathering_with_replies()
+    image = {**turn("Abigail", [0, 1]), "messages": [{"role": "user", "content": [
+        {"type": "text", "text": SAID[0]}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    assert admit_all(gathering, [image]) == [image]  # its token ids do not say what the image holds
+    assert not gathering.may_join({**image, "prompt_logprobs": 0})
+    assert not gathering.may_join({**image, "kv_transfer_params": "junk"})  # vLLM's to refuse
+    sent = admit_all(gathering, [turn("A", [0, 1, 2]), turn("B", [1, 0, 2]), turn("C", [2, 0, 1], model="lora-1"),
+                                 turn("D", [0, 2, 1], model="lora-1")])
+    rounds = [s["kv_transfer_params"]["tokendance"]["round_id"] for s in sent]
+    assert rounds[0] == rounds[1] and rounds[2] == rounds[3] and rounds[0] != rounds[2]  # one round per model
 
 
 def test_two_members_with_one_first_message_are_two_agents():

@@ -5,12 +5,13 @@ settings): chat requests that name no round are gathered into rounds, by `tokend
 - Candidates. A request is held only if it quotes a recent reply: a line of one of its
   non-assistant messages holds the start (`MIN_SHARED_CHARS` characters from its first word) of a
   line that a chat reply of this server wrote lately (content, or a tool call's string arguments).
-  Every other request goes on at once, as it came.
+  Every other request goes on at once, as a round of one (computed whole; the connector keeps its
+  conversation's session). A prompt with a part other than text (an image, audio) goes on untouched.
 - Gathering. Candidates wait until none has come for `gather_window_s`, `round_timeout_s` at most
   after the first. Those that overlap another (a line in common outside their common prefix) form
-  one round per cache namespace; the rest go on as ordinary requests.
+  one round per cache namespace and model (or adapter); the rest go on alone.
 - Agents and salts. A member is its client's `agent_id` (salted as a declared agent), else its
-  conversation: a hash of its namespace and first message (an agent's persona, which stays while
+  conversation: a hash of its namespace, model and first message (an agent's persona, which stays while
   the rest of its prompt changes). A conversation's member keeps its request's cache salt: vLLM's
   block hashes chain every token from position 0 (and the client's salt), so the KV a mirror
   reuses is found again only by a request whose tokens agree with it up to there (the same
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -34,6 +36,7 @@ from collections.abc import Iterable
 from tokendance.round_protocol import agent_salt
 from tokendance.server.gather import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
 
+logger = logging.getLogger("tokendance.vllm")
 WORD_START = re.compile(r"(?<!\w)\w")
 MAX_REPLY_BYTES = 4 << 20  # a reply longer than this is not read for quotes
 
@@ -48,11 +51,13 @@ def line_key(line: str) -> str | None:
 
 
 def message_text(content) -> str | None:
-    """A chat message's text (string content, or its text parts); None if it is neither."""
+    """A chat message's text (string content, or text parts only); None otherwise: a prompt with an
+    image or audio part is never tagged (its token ids do not say what the part holds)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        return "\n".join(p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str))
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
     return None
 
 
@@ -141,8 +146,8 @@ class RecentReplies:
                    for line in text.split("\n") for m in WORD_START.finditer(line))
 
 
-def conversation_id(namespace: str, messages: list[dict]) -> str:
-    first = json.dumps([namespace, messages[0]["role"], messages[0]["content"]])
+def conversation_id(namespace: str, messages: list[dict], model=None) -> str:
+    first = json.dumps([namespace, str(model), messages[0]["role"], messages[0]["content"]])
     return f"conversation-{hashlib.sha256(first.encode()).hexdigest()[:24]}"
 
 
@@ -157,15 +162,15 @@ class Gathering:
         self.replies = RecentReplies()
         self.counts: Counter[str] = Counter()
         self.metric = metric  # a labelled Prometheus counter (outcome), or None
-        self._waiting: dict[str, tuple[asyncio.Future, dict]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}  # key -> (future, body, cache namespace)
         self._timer: asyncio.TimerHandle | None = None
 
     @staticmethod
     def may_join(body: dict) -> bool:
         """A chat request a round can serve: one choice, no prompt scoring, no round of its own."""
         params = body.get("kv_transfer_params")
-        return (body.get("round_id") is None and not (isinstance(params, dict) and "tokendance" in params)
-                and body.get("n") in (1, None) and not body.get("prompt_logprobs") and not body.get("echo")
+        return (body.get("round_id") is None and (params is None or isinstance(params, dict) and "tokendance" not in params)
+                and body.get("n") in (1, None) and body.get("prompt_logprobs") is None and not body.get("echo")
                 and (body.get("agent_id") is None or isinstance(body.get("agent_id"), str)))
 
     async def admit(self, body: dict) -> dict:
@@ -179,8 +184,9 @@ class Gathering:
             self._count("passed")
             return self._own_turn(body, namespace, messages)
         key = f"gather-{uuid.uuid4().hex}"
+        namespace = json.dumps([namespace, str(body.get("model"))])  # a round runs on one model (or adapter)
         future = asyncio.get_running_loop().create_future()
-        self._waiting[key] = (future, body)
+        self._waiting[key] = (future, body, salt if isinstance(salt, str) else "")
         self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace,
                                    agent_id=body.get("agent_id"), arrival=time.monotonic()))
         self._arm()
@@ -205,7 +211,7 @@ class Gathering:
     def _close(self) -> None:
         self._timer = None
         work = self.gatherer.pop_ready(time.monotonic())
-        for turns in work.rounds:
+        for turns in work.rounds:  # one round per cache namespace and model
             by_namespace: dict[str, list[ChatTurn]] = {}
             for turn in turns:
                 by_namespace.setdefault(turn.namespace, []).append(turn)
@@ -220,16 +226,16 @@ class Gathering:
         round_id, conversations = f"transparent-{uuid.uuid4().hex}", set()
         self._count("rounds")
         for turn in members:
-            future, body = self._waiting.pop(turn.key)
+            future, body, namespace = self._waiting.pop(turn.key)
             body = {k: v for k, v in body.items() if k != "agent_id"}
-            tag = {"round_id": round_id, "round_size": len(members), "namespace": turn.namespace}
-            conversation = conversation_id(turn.namespace, turn.messages)
+            tag = {"round_id": round_id, "round_size": len(members), "namespace": namespace}
+            conversation = conversation_id(namespace, turn.messages, body.get("model"))
             if turn.agent_id is None and conversation not in conversations:
                 conversations.add(conversation)
                 tag.update(agent_id=conversation, transparent=True)
             else:  # the client's agent, or a second member with the same first message: salted
                 tag["agent_id"] = turn.agent_id or f"anonymous-{uuid.uuid4().hex}"
-                body["cache_salt"] = agent_salt(tag["agent_id"], turn.namespace or None)
+                body["cache_salt"] = agent_salt(tag["agent_id"], namespace or None)
             params = body.get("kv_transfer_params")
             body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), "tokendance": tag}
             self._count("member")
@@ -237,10 +243,10 @@ class Gathering:
                 future.set_result(body)
 
     def _send_alone(self, turn: ChatTurn) -> None:
-        future, body = self._waiting.pop(turn.key)
+        future, body, namespace = self._waiting.pop(turn.key)
         self._count("alone")
         if not future.done():
-            future.set_result(self._own_turn(body, turn.namespace, turn.messages))
+            future.set_result(self._own_turn(body, namespace, turn.messages))
 
     @staticmethod
     def _own_turn(body: dict, namespace: str, messages: list[dict]) -> dict:
@@ -250,7 +256,7 @@ class Gathering:
         if body.get("agent_id") is not None:
             return body
         tag = {"round_id": f"turn-{uuid.uuid4().hex}", "round_size": 1, "namespace": namespace,
-               "agent_id": conversation_id(namespace, messages), "transparent": True}
+               "agent_id": conversation_id(namespace, messages, body.get("model")), "transparent": True}
         params = body.get("kv_transfer_params")
         return {**body, "kv_transfer_params": {**(params if isinstance(params, dict) else {}), "tokendance": tag}}
 
@@ -268,9 +274,14 @@ class Gathering:
                 state["size"] += len(body)
                 if state["size"] <= MAX_REPLY_BYTES:
                     chunks.append(body)
+                else:
+                    chunks.clear()
                 if not message.get("more_body", False) and state["size"] <= MAX_REPLY_BYTES:
-                    for text in reply_texts(b"".join(chunks), state["stream"]):
-                        self.replies.add(text)
+                    try:
+                        for text in reply_texts(b"".join(chunks), state["stream"]):
+                            self.replies.add(text)
+                    except Exception:  # a reply it cannot read teaches nothing; the client still gets it
+                        logger.warning("transparent rounds: a reply could not be read for quotes", exc_info=True)
             await send(message)
 
         return reading
