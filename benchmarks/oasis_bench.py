@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_plugin import free_port, start, wait_ready  # noqa: E402
+from vllm_plugin import serving  # noqa: E402
 
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO  # noqa: E402
 
@@ -49,30 +49,20 @@ def wait_model(port: int, timeout: float = 600) -> None:
 
 
 def run(name: str, agents: int, args) -> dict:
-    port = free_port()
-    with tempfile.TemporaryFile() as log:
-        server = start(name, port, args, log)
-        try:
-            wait_ready(port, server, log)
-            wait_model(port)
-            out = Path(tempfile.mkdtemp()) / "oasis.json"
-            print(f"{name}, {agents} agents:", flush=True)
-            driver = subprocess.run([str(OASIS_PYTHON), str(ROOT / "benchmarks" / "oasis_run.py"), "--url",
-                                     f"http://127.0.0.1:{port}/v1", "--agents", str(agents), "--steps", str(args.steps),
-                                     "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--out", str(out)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    cwd=out.parent)  # OASIS writes its logs to ./log
-            # OASIS logs every agent's prompt: print the driver's step lines, and the end of the log on failure
-            print("\n".join(line for line in driver.stdout.splitlines() if line.startswith("step ")), flush=True)
-            if driver.returncode != 0:
-                raise SystemExit(f"OASIS failed against {name}:\n{driver.stdout[-3000:]}")
-            return json.loads(out.read_text())
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    with serving(name, args) as port:
+        wait_model(port)
+        out = Path(tempfile.mkdtemp()) / "oasis.json"
+        print(f"{name}, {agents} agents:", flush=True)
+        driver = subprocess.run([str(OASIS_PYTHON), str(ROOT / "benchmarks" / "oasis_run.py"), "--url",
+                                 f"http://127.0.0.1:{port}/v1", "--agents", str(agents), "--steps", str(args.steps),
+                                 "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=out.parent)  # OASIS writes its logs to ./log
+        # OASIS logs every agent's prompt: print the driver's step lines, and the end of the log on failure
+        print("\n".join(line for line in driver.stdout.splitlines() if line.startswith("step ")), flush=True)
+        if driver.returncode != 0:
+            raise SystemExit(f"OASIS failed against {name}:\n{driver.stdout[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def table(results: dict) -> str:

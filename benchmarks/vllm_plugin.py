@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
@@ -77,27 +78,34 @@ def wait_ready(port: int, server: subprocess.Popen, log) -> float:
     raise SystemExit("the server was not ready after 15 minutes")
 
 
-def run(name: str, args) -> list[dict]:
+@contextmanager
+def serving(name: str, args):
+    """A fresh server `name`, ready; yields its port, and stops it after."""
     port = free_port()
     with tempfile.TemporaryFile() as log:
         server = start(name, port, args, log)
         try:
             ready = wait_ready(port, server, log)
             print(f"{name}: ready after {ready:.0f} s", flush=True)
-            out = Path(tempfile.mkdtemp()) / "target.json"
-            command = [sys.executable, "-m", "tokendance.cli", "bench", "--target", f"http://127.0.0.1:{port}/v1",
-                       "--workload", args.workload, "--agents", str(args.agents), "--rounds", str(args.rounds),
-                       "--loop", args.loop, "--out", str(out)]
-            if name in DECLARING:
-                command.append("--declare-rounds")
-            subprocess.run(command, check=True)
-            return json.loads(out.read_text())["rounds"]
+            yield port
         finally:
             server.terminate()
             try:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+def run(name: str, args) -> list[dict]:
+    with serving(name, args) as port:
+        out = Path(tempfile.mkdtemp()) / "target.json"
+        command = [sys.executable, "-m", "tokendance.cli", "bench", "--target", f"http://127.0.0.1:{port}/v1",
+                   "--workload", args.workload, "--agents", str(args.agents), "--rounds", str(args.rounds),
+                   "--loop", args.loop, "--out", str(out)]
+        if name in DECLARING:
+            command.append("--declare-rounds")
+        subprocess.run(command, check=True)
+        return json.loads(out.read_text())["rounds"]
 
 
 def main() -> int:
