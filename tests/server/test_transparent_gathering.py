@@ -212,3 +212,47 @@ def test_a_client_cannot_write_a_gathered_members_tag():
         assert exc.param == "kv_transfer_params.tokendance" and "transparent" in str(exc)
     else:
         raise AssertionError("a client-written transparent tag was accepted")
+
+
+def test_a_client_cannot_name_its_agent_as_the_server_names_conversations():
+    for name in ("conversation-0123", "anonymous-x"):
+        for extra in ({"agent_id": name}, {"agent_id": name, "round_id": "r", "round_size": 2}):
+            try:
+                tag_body(turn("Abigail", [0], **extra))
+            except FieldError as exc:
+                assert exc.param == "agent_id" and "conversation-" in str(exc)
+            else:
+                raise AssertionError(f"agent_id {name!r} was accepted")
+    assert tag_body(turn("Abigail", [0], agent_id="my-conversation-1", round_id="r"))["cache_salt"]
+
+
+def test_the_overlap_index_agrees_with_trying_every_pair_and_tries_about_one_per_turn(monkeypatch):
+    import itertools
+    import random
+
+    from tokendance.server import gather
+    from tokendance.server.gather import ChatTurn, overlapping, overlaps
+
+    long = [f"line {i}: " + "words that are long enough to be a shared piece" for i in range(6)]
+    rng = random.Random(0)
+    for _ in range(300):  # random prompts: shared prefixes, lines repeated inside a prompt, two namespaces
+        turns = []
+        for i in range(rng.randint(2, 7)):
+            lines = long[:rng.randint(0, 2)] + [rng.choice(long + ["short"]) for _ in range(rng.randint(0, 4))]
+            turns.append(ChatTurn(f"k{i}", [{"role": "user", "content": "\n".join(lines)}], None, None, None,
+                                  namespace=rng.choice(["a", "b"])))
+        pairs = {i for a, b in itertools.combinations(range(len(turns)), 2) if overlaps(turns[a], turns[b])
+                 for i in (a, b)}
+        assert overlapping(turns) == pairs
+
+    calls = []
+    monkeypatch.setattr(gather, "overlaps", lambda a, b: calls.append(1) or overlaps(a, b))
+    said = [f"Agent {i} says the bridge over the creek needs repairs before the festival." for i in range(256)]
+    turns = []
+    for i in range(256):  # each agent: its persona, then every reply in an order of its own
+        order = said[:]
+        random.Random(i).shuffle(order)
+        turns.append(ChatTurn(f"k{i}", [{"role": "system", "content": "You live in Willow Creek, a quiet town."},
+                                        {"role": "user", "content": "\n".join(order)}], None, None, None))
+    assert overlapping(turns) == set(range(256))
+    assert len(calls) <= 2 * 256  # the pairwise rule tries 256 * 255 / 2 = 32,640 pairs

@@ -21,7 +21,6 @@ Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +74,39 @@ def overlaps(a: ChatTurn, b: ChatTurn) -> bool:
     start = common_prefix(a.lines, b.lines)
     common = set(a.lines[start:]).intersection(b.lines[start:])
     return any(len(line.strip()) >= MIN_SHARED_CHARS for _, line in common)
+
+
+def overlapping(turns: Sequence[ChatTurn]) -> set[int]:
+    """Indices of the turns that `overlaps` another, without trying every pair. Each long line is
+    indexed with where it sits: its index and the lines up to it (a prefix "class"). Two turns
+    holding a line in the same classes hold it inside their common prefix, so only holders in
+    another class are tried, and a turn stops at its first overlap: with N turns quoting the same
+    replies at different positions, about N checks instead of N^2 / 2."""
+    holders: dict[tuple, dict[int, set]] = {}  # (namespace, line) -> turn index -> its classes of the line
+    for i, turn in enumerate(turns):
+        prefix = hash(turn.namespace)
+        for at, line in enumerate(turn.lines):
+            prefix = hash((prefix, line))
+            if len(line[1].strip()) >= MIN_SHARED_CHARS:
+                holders.setdefault((turn.namespace, line), {}).setdefault(i, set()).add((at, prefix))
+    joined: set[int] = set()
+    for held in holders.values():
+        if len(held) < 2:
+            continue
+        groups: dict[frozenset, list[int]] = {}
+        for i, classes in held.items():
+            groups.setdefault(frozenset(classes), []).append(i)
+        if len(groups) < 2:  # every holder has the line inside one common prefix
+            continue
+        for key, members in groups.items():
+            for i in members:
+                if i in joined:
+                    continue
+                other = next((j for k, js in groups.items() if k != key for j in js
+                              if overlaps(turns[i], turns[j])), None)
+                if other is not None:
+                    joined.update((i, other))
+    return joined
 
 
 class RoundGatherer:
@@ -152,7 +184,7 @@ class RoundGatherer:
     def _split(self, turns: list[ChatTurn], now: float) -> tuple[list[ChatTurn], list[ChatTurn]]:
         """(one round: turns that overlap another or name an agent; ordinary turns). A second turn
         of an agent already in the round waits for the next window."""
-        joined = {id(t) for a, b in itertools.combinations(turns, 2) if overlaps(a, b) for t in (a, b)}
+        joined = {id(turns[i]) for i in overlapping(turns)}
         members, ordinary, agents = [], [], set()
         self._pending = []
         for turn in turns:

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, agent_salt,
                                        completion_refusal, refusal, refused_field, round_answer, turn_salt)
-from tokendance.vllm_plugin.gathering import Gathering
+from tokendance.vllm_plugin.gathering import SERVER_AGENT_PREFIXES, Gathering
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 from tokendance.vllm_plugin.settings import Settings
 
@@ -66,6 +66,9 @@ def tag_body(body: dict, chat: bool = True) -> dict:
     if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_CHARS:
         raise FieldError(f"agent_id must be a string of 1 to {MAX_ID_CHARS} characters (it names the agent's "
                          "session)", "agent_id")
+    if fields.get("agent_id") is not None and agent_id.startswith(SERVER_AGENT_PREFIXES):
+        raise FieldError(f"agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server names its "
+                         "own agents so (a gathered conversation, a member without an agent_id)", "agent_id")
     if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ID_CHARS):
         raise FieldError(f"round_id must be a string of 1 to {MAX_ID_CHARS} characters", "round_id")
     if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int)

@@ -146,6 +146,11 @@ class RecentReplies:
                    for line in text.split("\n") for m in WORD_START.finditer(line))
 
 
+# How the server names agents no client named: a conversation, a member without an agent_id. A
+# client's agent_id may not start so.
+SERVER_AGENT_PREFIXES = ("conversation-", "anonymous-")
+
+
 def conversation_id(namespace: str, messages: list[dict], model=None) -> str:
     first = json.dumps([namespace, str(model), messages[0]["role"], messages[0]["content"]])
     return f"conversation-{hashlib.sha256(first.encode()).hexdigest()[:24]}"
