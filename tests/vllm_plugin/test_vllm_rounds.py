@@ -415,3 +415,33 @@ def test_a_piece_is_read_from_its_first_holder_in_a_later_step_only_once_its_pas
         assert bool(from_first) != failed
         if not failed:
             assert [(s.start, s.length) for s in from_first] == [(23, 6)]
+
+
+def test_first_holders_pin_their_pieces_only_while_the_pins_leave_room_in_the_pool():
+    """Pins last until a round's last mirror is filled. In a pool too small for them (here 4 blocks:
+    pins may take 1, the master's), a first holder's piece is not pinned, and the member reading it
+    in a later step computes it instead of waiting for blocks that would never come free; in a
+    large pool it is pinned and read, as before."""
+    common = [[50 + j for j in range(20)]]
+    pair_a, pair_b = [[60 + j for j in range(5)]], [[70 + j for j in range(5)]]
+    prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
+               "a2": prompt([3], common + pair_b, [9]), "a3": prompt([4], common + pair_b, [9])}
+    for pool_blocks in (4, 100):
+        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
+        b.pool_blocks = pool_blocks
+        for agent, ids in prompts.items():
+            b.add(agent, tag(agent, size=4), ids, now=0.0)
+        master = next(a for a in prompts if b.find(a).role == "master")
+        assert b.mark_ready(master, [1]) == [1]  # a master's blocks are always pinned
+        first, second = ["a2", "a3"] if master in ("a0", "a1") else ["a0", "a1"]
+        b.commit(first, b.claim(first, 0, now=0.0))
+        b.find(first).block_ids[:] = [5, 6, 7, 8]
+        pinned = b.sent(b.find(first))
+        b.next_step()
+        b.next_step()
+        assert b.claim(second, 0, now=0.0) > 0
+        from_first = [s for s in b.find(second).spans if s.source_block_ids is b.find(first).block_ids]
+        if pool_blocks == 4:
+            assert pinned == [] and not from_first and b.take_counters()["unpinned_holders"] == 1
+        else:
+            assert pinned == [6] and from_first

@@ -162,7 +162,7 @@ class TokenDanceConnector(KVConnectorBase_V1):
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         if self.scheduler is not None:
-            self.scheduler.block_pool = gpu_block_pool
+            self.scheduler.bind(gpu_block_pool)
 
     def on_new_request(self, request) -> None:
         if self.scheduler is not None:

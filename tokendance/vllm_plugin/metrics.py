@@ -23,6 +23,9 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
     "passes": ("passes", None, "passes run by the workers"),
     "held_steps": ("held_steps", None, "engine steps a member was held (its round forming, its masters computing, "
                                        "or the step's claim budget spent)"),
+    "unpinned_holders": ("unpinned_holders", None, "first holders whose pieces were not pinned for later readers "
+                                                   "(the pins would have taken over half of the pool): those "
+                                                   "readers computed the pieces"),
     "claimed_tokens": ("claimed_tokens", None, "prompt tokens mirrors claimed (filled by the pass)"),
     "pass_tokens": ("pass_tokens", None, "claimed tokens the workers' passes filled"),
     "reused_tokens": ("reused_tokens", None, "prompt tokens served from masters' or the agent's own earlier KV "

@@ -119,6 +119,9 @@ class Member:
     loaded: bool = False  # a mirror whose load was sent to the workers
     sent_step: int = -1  # ... in this step of the book's
     failed: bool = False  # ... and whose pass failed (its blocks are vLLM's to recompute)
+    # ... a first holder whose pieces are not pinned for later steps (the pool's pin limit): a
+    # member admitted in a later step computes them
+    unpinned: bool = False
     filled: bool = False  # ... and whose pass the workers finished
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
@@ -131,6 +134,11 @@ class Member:
     spans: list[ReusedSpan] = field(default_factory=list)  # a mirror's claim: what fills it, by source
     session_blocks: list[int] = field(default_factory=list)  # its session's blocks the claim reads
     store_entry: str | None = None  # the session store's entry the claim reads
+
+    @property
+    def provides_later(self) -> bool:
+        """Members admitted in a later step may read the pieces it computes from its blocks."""
+        return not (self.failed or self.unpinned)
 
     @property
     def needs_masters(self) -> bool:
@@ -196,6 +204,11 @@ class RoundBook:
         # A first holder's blocks are read in a later step only once vLLM has reported the step
         # that filled them (1 step later; 2 with vLLM's asynchronous scheduling): not if it failed.
         self.confirm_steps = confirm_steps
+        # vLLM's pool, in blocks (None: unknown, no limit). Pins last until a round's last mirror
+        # is filled, so first holders pin their pieces only while the pins take at most half of it
+        # and leave room for the round's largest member: else those of a round larger than the pool
+        # could pin it full before their readers are admitted, a deadlock.
+        self.pool_blocks: int | None = None
         self.round_timeout_s = round_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.min_piece_tokens = min_piece_tokens
@@ -259,10 +272,10 @@ class RoundBook:
         spans, waiting = [], False
         for s, n, sources in trim(member.reusable, num_computed):
             first = sources[0][0]
-            filled = first.ready and not first.failed and self.step - first.sent_step >= self.confirm_steps
+            filled = first.ready and first.provides_later and self.step - first.sent_step >= self.confirm_steps
             if first.role == "master" or filled or (first.committed and not first.loaded):
                 spans.append((s, n, sources))
-            elif first.role == "mirror" and not first.finished and not first.failed:
+            elif first.role == "mirror" and not first.finished and first.provides_later:
                 waiting = True  # the piece's first holder is not admitted yet, or its pass not confirmed
             # else its first holder computed it in no pass (exact, or gone): computed here
         masters = {id(m): m for _, _, sources in spans for m, _ in sources if m.role == "master"}
@@ -397,7 +410,7 @@ class RoundBook:
         keys = {p.start: p.key for p in member.pieces}
         return [(keys[s], first.block_ids, at, n) for s, n, ((first, at), *more) in member.reusable
                 if not more and s in keys and (first.role == "master" or (first.provides_end and first.ready
-                                                                           and not first.failed and not first.finished))]
+                                                                           and first.provides_later and not first.finished))]
 
     def round_of(self, request_id: str) -> int:
         return self.members[request_id][0].serial
@@ -426,8 +439,19 @@ class RoundBook:
         else:
             size = self.block_size
             pinned = sorted({block_ids[i] for start, end in member.provides for i in range(start // size, (end - 1) // size + 1)})
+            if self.pool_blocks is not None and self._pinned_blocks() + len(pinned) > self._pin_limit(round_):
+                member.unpinned = True  # its later readers compute these pieces
+                self.counters["unpinned_holders"] += 1
+                return []
         round_.pinned.extend(pinned)
         return pinned
+
+    def _pinned_blocks(self) -> int:
+        return sum(len(r.pinned) for r in [*self.rounds.values(), *self.closed])
+
+    def _pin_limit(self, round_: Round) -> int:
+        largest = max(len(m.token_ids) // self.block_size + 2 for m in round_.members.values())
+        return min(self.pool_blocks // 2, self.pool_blocks - largest)
 
     def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None,
                block_hashes: Sequence[Any] = ()) -> int | None:

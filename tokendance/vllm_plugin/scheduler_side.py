@@ -45,6 +45,11 @@ class SchedulerSide:
                               settings.claim_tokens_per_step, anchors=settings.anchors, block_size=block_size,
                               lookup=self._cached_block, store=self.store_index, confirm_steps=confirm_steps)
 
+    def bind(self, block_pool) -> None:
+        """vLLM's block pool (its size bounds the round book's pins)."""
+        self.block_pool = block_pool
+        self.book.pool_blocks = block_pool.num_gpu_blocks
+
     def _cached_block(self, block_hash) -> int | None:
         """The block vLLM's prefix cache holds for a hash (one KV cache group), or None."""
         if self.block_pool is None or not self.single_group:
