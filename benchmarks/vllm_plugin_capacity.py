@@ -1,17 +1,25 @@
-"""Agents kept per KV budget inside vLLM, where agents rest between their turns: N agents of which
-K act in each round (a simulation that activates a few agents per step), each agent acting every
-N/K rounds, so its history must survive N/K - 1 rounds of other agents. At an equal budget B of
-KV memory, one engine after the other in one process:
+"""Agents per KV budget inside vLLM: the most agents each setting keeps, at an equal budget B of KV
+memory, one engine after the other in one process:
 
 - plain vLLM-CPU, its pool B (prefix caching);
 - vLLM + the plugin, its pool B, no session store;
-- vLLM + the plugin, a pool P (the running round) and the session store B - P.
+- vLLM + the plugin, a pool P (the running requests) and the session store B - P.
 
-    .venv-vllm/bin/python benchmarks/vllm_plugin_capacity.py --agents 32 --active 8 --budget-gib 0.75 --pool-gib 0.4
+    .venv-vllm/bin/python benchmarks/vllm_plugin_capacity.py --agents 16 32 48 64 96 --budget-gib 2 --pool-gib 0.5
 
-Prints, over every agent's second turn: the tokens of its history (what its previous request
-held at the same positions) each setting served from memory (vLLM's prefix cache, the plugin's
-copies from cached blocks or the store) against those it computed again, and the rounds' TTFT.
+A trial runs N agents for `--rounds` passes. In a pass every agent acts once: all at once (the
+All-Gather round), or `--active K` at a time, so that an agent rests while N/K - 1 rounds of
+others run. An agent's *history* is what its previous request (prompt and output) held at the
+same positions of its new prompt. N fits a setting when, over every pass after the first:
+
+- its history came back: at most 1% of it computed again (plain vLLM: its prefix-cache hit, in
+  whole blocks; the plugin: its own `computed_tokens{reason="history"}`, to the token);
+- every round met the SLO (`--slo-seconds`, the round's wall time).
+
+Every request is answered: vLLM preempts and recomputes a request when its pool runs short, which
+the trial reports and the rounds' time pays for. The search walks `--agents` upwards and stops a
+setting at its first N that does not fit. Each trial has salts of its own, so no trial is served
+from an earlier one's cache.
 """
 
 from __future__ import annotations
@@ -22,36 +30,40 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+MB = 2**20
+BLOCK = 128  # vLLM-CPU's KV block, in tokens
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="generative-agents")
-    parser.add_argument("--agents", type=int, default=32)
-    parser.add_argument("--active", type=int, default=8, help="agents acting in each round")
-    parser.add_argument("--budget-gib", type=float, default=0.75, help="KV budget B of every setting")
-    parser.add_argument("--pool-gib", type=float, default=0.4, help="the pool P of the setting with the store")
+    parser.add_argument("--agents", type=int, nargs="+", default=[16, 32, 48, 64],
+                        help="agent counts to try, in increasing order")
+    parser.add_argument("--active", type=int, default=None, help="agents acting in each round (default: all)")
+    parser.add_argument("--rounds", type=int, default=3, help="passes in which every agent acts once")
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="KV budget B of every setting")
+    parser.add_argument("--pool-gib", type=float, default=0.5, help="the pool P of the setting with the store")
+    parser.add_argument("--slo-seconds", type=float, default=60.0, help="the most a round may take")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--settings", nargs="+", default=["plain", "plugin", "store"],
+                        choices=["plain", "plugin", "store"])
+    parser.add_argument("--out", default="benchmarks/results/vllm_plugin_capacity.json")
     args = parser.parse_args()
-    if args.agents % args.active:
-        parser.error("--agents must be a multiple of --active")
+    if args.active and any(n % args.active for n in args.agents):
+        parser.error("every --agents count must be a multiple of --active")
+    from tqdm.auto import tqdm
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     from tokendance.model.platform import probe_cpu
+    from tokendance.reuse.segments import common_prefix
     from tokendance.vllm_plugin.model_folder import default_model_folder
     from tokendance.workloads import make_workload
-
-    def counter(llm, name: str, reason: str | None = None) -> float:
-        return sum(m.value for m in llm.get_metrics()
-                   if m.name == f"vllm:tokendance_{name}" and (reason is None or m.labels.get("reason") == reason))
-
-    def history_computed(llm) -> float:
-        """The plugin's `computed_tokens{reason="history"}`: history no cached block nor the store held."""
-        return counter(llm, "computed_tokens", "history")
 
     cpu = probe_cpu()
     dtype = "bfloat16" if cpu.native_bf16 else "float32"
@@ -59,58 +71,110 @@ def main() -> int:
     hf = json.loads((folder / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * (2 if dtype == "bfloat16" else 4)
-    workload = make_workload(args.workload, args.agents, seed=0)
-    groups = args.agents // args.active
-    settings = [("plain vLLM", args.budget_gib, None), ("plugin, no store", args.budget_gib, {}),
-                (f"plugin, pool {args.pool_gib:g} + store {args.budget_gib - args.pool_gib:g} GiB", args.pool_gib,
-                 {"store_gib": args.budget_gib - args.pool_gib})]
-    results = []
-    for name, pool_gib, extra in settings:
-        config = None if extra is None else KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
-                                                             kv_connector_extra_config=extra)
-        llm = LLM(model=str(folder), dtype=dtype, max_model_len=8192, enable_prefix_caching=True, enforce_eager=True,
-                  seed=0, disable_log_stats=False, kv_transfer_config=config, num_gpu_blocks_override=int(pool_gib * 2**30 / (128 * per_token)))
+    store_gib = args.budget_gib - args.pool_gib
+    names = {"plain": f"plain vLLM, pool {args.budget_gib:g} GiB", "plugin": f"plugin, pool {args.budget_gib:g} GiB",
+             "store": f"plugin, pool {args.pool_gib:g} + store {store_gib:g} GiB"}
+    results: dict = {"args": vars(args), "dtype": dtype, "cpu": cpu.describe(), "settings": {}}
+
+    def counters(llm) -> dict:
+        found: dict = {}
+        for m in llm.get_metrics():
+            label = m.labels.get("reason")
+            key = m.name.removeprefix("vllm:") + (f".{label}" if label else "")
+            found[key] = found.get(key, 0) + getattr(m, "value", 0)
+        return found
+
+    def trial(llm, setting: str, n: int, bar) -> dict:
+        workload = make_workload(args.workload, n, seed=0)
         tokenizer = llm.get_tokenizer()
-        history, previous = [], {}  # synthetic outputs per round; agent -> its previous request's tokens
-        served = computed = ttft = 0.0
-        for r in range(2 * groups):
-            turns = workload.turns(r, [workload.synthetic_outputs(i) for i in range(r)])
-            active = turns[(r % groups) * args.active:(r % groups + 1) * args.active]
-            prompts = [list(tokenizer.apply_chat_template(list(t.messages), add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]) for t in active]
-            tag = lambda t: {"kv_transfer_params": {"tokendance": {"round_id": f"r{r}", "round_size": len(active),  # noqa: E731
-                                                                   "agent_id": t.agent_id}}}
-            params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                     extra_args=None if extra is None else tag(t)) for t in active]
-            requests = [TokensPrompt(prompt_token_ids=p, cache_salt=f"agent-{t.agent_id}") for p, t in zip(prompts, active)]
-            lost_before = history_computed(llm)
-            outputs = llm.generate(requests, params, use_tqdm=False)
-            if r >= groups:  # every agent's second turn: how much of its history came back
-                ttft += max(o.metrics.first_token_latency for o in outputs)
-                owns = []
-                for t, p, o in zip(active, prompts, outputs):
-                    before = previous[t.agent_id]
-                    owns.append(next((i for i, (a, b) in enumerate(zip(p, before)) if a != b), min(len(p), len(before))))
-                if extra is None:  # plain vLLM: its prefix-cache hit is what came back
-                    lost = [own - min(o.num_cached_tokens, own) for own, o in zip(owns, outputs)]
-                else:  # the plugin's claims count as cached, computed or not: its own count of lost history
-                    lost = [history_computed(llm) - lost_before]
-                served += sum(owns) - sum(lost)
-                computed += sum(lost)
-            for t, p, o in zip(active, prompts, outputs):
-                previous[t.agent_id] = p + list(o.outputs[0].token_ids)
-        store = {key: counter(llm, key) for key in ("restored_tokens", "store_evictions", "store_agents", "store_bytes")}
-        results.append((name, served, computed, ttft, store))
+        active = args.active or n
+        salt = f"{setting}-{n}-{time.time_ns()}"
+        previous: dict[str, list[int]] = {}  # agent -> its previous request's tokens (prompt and output)
+        row = {"agents": n, "round_seconds": [], "history": 0, "lost": 0, "preemptions": 0}
+        start = counters(llm)
+        for p in range(args.rounds):
+            turns = workload.turns(p, [workload.synthetic_outputs(i) for i in range(p)])
+            for g in range(0, n, active):
+                group = turns[g:g + active]
+                prompts = [list(tokenizer.apply_chat_template(list(t.messages), add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"]) for t in group]
+                params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, extra_args=None
+                                         if setting == "plain" else {"kv_transfer_params": {"tokendance": {
+                                             "round_id": f"{salt}-{p}-{g}", "round_size": len(group),
+                                             "agent_id": t.agent_id, "namespace": salt}}}) for t in group]
+                requests = [TokensPrompt(prompt_token_ids=q, cache_salt=f"{salt}-{t.agent_id}") for q, t in zip(prompts, group)]
+                before = counters(llm)
+                started = time.perf_counter()
+                outputs = llm.generate(requests, params, use_tqdm=False)
+                seconds = time.perf_counter() - started
+                after = counters(llm)
+                if p:  # what came back of each agent's history
+                    own = [common_prefix(q, previous[t.agent_id]) for q, t in zip(prompts, group)]
+                    if setting == "plain":  # a resident prefix cache serves the history in whole blocks
+                        whole = [o // BLOCK * BLOCK for o in own]
+                        row["history"] += sum(whole)
+                        row["lost"] += sum(w - min(out.num_cached_tokens, w) for w, out in zip(whole, outputs))
+                    else:
+                        row["history"] += sum(own)
+                        row["lost"] += after.get("tokendance_computed_tokens.history", 0) - before.get(
+                            "tokendance_computed_tokens.history", 0)
+                    row["round_seconds"].append(seconds)
+                for q, t, out in zip(prompts, group, outputs):
+                    previous[t.agent_id] = q + list(out.outputs[0].token_ids)
+                bar.update(1)
+        end = counters(llm)
+        row["preemptions"] = int(end.get("num_preemptions", 0) - start.get("num_preemptions", 0))
+        row["store_mb_per_agent"] = (end.get("tokendance_store_bytes", 0) / MB / end["tokendance_store_agents"]
+                                     if end.get("tokendance_store_agents") else None)
+        row["store_agents"] = end.get("tokendance_store_agents")
+        row["dense_mb_per_agent"] = sum(map(len, previous.values())) * per_token / MB / n
+        row["lost_share"] = row["lost"] / row["history"] if row["history"] else 0.0
+        worst = max(row["round_seconds"], default=0.0)
+        row["reason"] = (f"{row['lost_share']:.1%} of the history computed again" if row["lost_share"] > 0.01 else
+                         f"a round took {worst:.1f} s > SLO {args.slo_seconds:g} s" if worst > args.slo_seconds else "fits")
+        row["fits"] = row["reason"] == "fits"
+        return row
+
+    rounds = sum(args.rounds * (n // (args.active or n)) for n in args.agents)
+    for setting in args.settings:
+        pool_gib = args.pool_gib if setting == "store" else args.budget_gib
+        config = None if setting == "plain" else KVTransferConfig(
+            kv_connector="TokenDanceConnector", kv_role="kv_both",
+            kv_connector_extra_config={"store_gib": store_gib if setting == "store" else 0})
+        blocks = int(pool_gib * 2**30 / (BLOCK * per_token))
+        llm = LLM(model=str(folder), dtype=dtype, max_model_len=min(8192, (blocks - 1) * BLOCK), enable_prefix_caching=True,
+                  enforce_eager=True, seed=0, disable_log_stats=False, kv_transfer_config=config,
+                  num_gpu_blocks_override=blocks)
+        rows = []
+        with tqdm(total=rounds, desc=names[setting], unit="round") as bar:
+            for n in args.agents:
+                row = trial(llm, setting, n, bar)
+                rows.append(row)
+                bar.write(f"{names[setting]}: N={n} {'fits' if row['fits'] else 'no'} ({row['reason']}); rounds "
+                          + " ".join(f"{s:.1f}" for s in row["round_seconds"]) + " s")
+                if not row["fits"]:
+                    break
+        results["settings"][setting] = {"name": names[setting], "trials": rows,
+                                        "max_agents": max((r["agents"] for r in rows if r["fits"]), default=0)}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
         del llm
         gc.collect()
-    print(f"{args.workload}: {args.agents} agents, {args.active} acting per round (each again after "
-          f"{groups - 1} rounds of others), budget {args.budget_gib:g} GiB each, {dtype}, CPU {cpu.describe()}")
-    print(f"{'setting':>44}{'history tokens served':>23}{'recomputed':>12}{'2nd-turn TTFT s':>17}")
-    for name, served, computed, ttft, store in results:
-        print(f"{name:>44}{served:>23.0f}{computed:>12.0f}{ttft:>17.2f}" + (
-            f"   store: {store['store_agents']:.0f} agents, {store['store_bytes'] / 2**20:.0f} MB, "
-            f"{store['store_evictions']:.0f} evicted, {store['restored_tokens']:.0f} tokens restored"
-            if store["store_agents"] else ""))
+    print(f"{args.workload}: budget {args.budget_gib:g} GiB of KV each, {args.rounds} passes, "
+          f"{args.active or 'all'} agents acting per round, SLO {args.slo_seconds:g} s, {dtype}, CPU {cpu.describe()}")
+    print(f"{'setting':>36}{'N':>5}{'fits':>6}{'history lost':>14}{'preempted':>11}{'worst round s':>15}"
+          f"{'dense MB/agent':>16}{'store MB/agent':>16}")
+    for setting in results["settings"].values():
+        for r in setting["trials"]:
+            store = "-" if r["store_mb_per_agent"] is None else f"{r['store_mb_per_agent']:.2f}"
+            print(f"{setting['name']:>36}{r['agents']:>5}{'yes' if r['fits'] else 'no':>6}{r['lost_share']:>14.1%}"
+                  f"{r['preemptions']:>11}{max(r['round_seconds'], default=0):>15.1f}{r['dense_mb_per_agent']:>16.2f}{store:>16}")
+    plain = results["settings"].get("plain", {}).get("max_agents")
+    for setting in results["settings"].values():
+        ratio = f" ({setting['max_agents'] / plain:.2f}x plain vLLM)" if plain else ""
+        print(f"{setting['name']}: {setting['max_agents']} agents{ratio}")
+    print(f"results in {args.out}")
     return 0
 
 
