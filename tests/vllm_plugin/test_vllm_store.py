@@ -99,6 +99,33 @@ def test_a_piece_captured_from_its_master_leaves_mirrors_only_the_rows_they_reco
         assert torch.equal(store.rows(agent, 0, 100)[0][:, 2], held[2][0])
 
 
+def test_a_piece_read_back_at_new_positions_is_rotated_once_and_saved_again_differs_only_where_recomputed():
+    """A mirror holds captured piece P at 50..70 (one recomputed row). Its next request holds P at
+    90..110, read back from the store: each row rotated once from where it was computed (the
+    master's rows from the master's positions, the recomputed row from the mirror's), so saved
+    again it differs from the master in that row only. Rotating the stored rows a second time, from
+    50..70, rounds differently in rows no one recomputed."""
+    store = SessionStore(LAYERS, ROTATE)
+    master = kv(30, seed=7)
+    store.capture(b"P", lambda i: (master[i][0][10:30], master[i][1][10:30]), 10, 30, round_serial=1)
+    held = kv(80, seed=8)
+    for layer, (keys, values) in enumerate(held):
+        keys[50:70] = ROTATE(master[layer][0][10:30], torch.arange(10, 30), torch.arange(50, 70))
+        values[50:70] = master[layer][1][10:30]
+        keys[50] += 1  # recomputed
+    store.save("m", lambda i: held[i], 80, [(b"P", 50, 70)])
+    keys, values = store.rows("m", 50, 70, at=torch.arange(90, 110))
+    assert torch.equal(keys[1:], store._moved(store.masters[b"P"], slice(1, 20), torch.arange(91, 110)))
+    assert torch.equal(keys[0, 0], ROTATE(held[0][0][50:51], torch.tensor([50]), torch.tensor([90]))[0])
+    assert torch.equal(store.rows("m", 50, 70, at=torch.arange(50, 70))[0], store.rows("m", 50, 70)[0])
+    before = kv(90, seed=9)
+    after = [(torch.cat([before[i][0], keys[:, i]]), torch.cat([before[i][1], values[:, i]])) for i in range(LAYERS)]
+    store.save("m2", lambda i: after[i], 110, [(b"P", 90, 110)])
+    assert store.sessions["m2"].diff_index[:, 0].unique().tolist() == [90]
+    twice = ROTATE(store.rows("m", 50, 70)[0][:, 1], torch.arange(50, 70), torch.arange(90, 110))
+    assert not torch.equal(twice[1:], keys[1:, 1])  # the old way: a second rounding
+
+
 def test_the_store_is_smaller_than_dense_as_more_agents_share_a_piece():
     """N agents each holding one shared piece (copied, a few rows recomputed) and a private run:
     the store holds one master, so bytes per agent fall toward the private run plus the diffs."""

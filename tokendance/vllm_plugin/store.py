@@ -147,31 +147,45 @@ class SessionStore:
         self.nbytes += self.sessions[entry].nbytes
         return self.nbytes - before
 
-    def rows(self, entry: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, entry: str, start: int, end: int, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An agent's keys and values at its positions [start, end), every layer ([n, L, H, D]
-        each), as it held them."""
+        each), as it held them; with `at` ([n] positions), its keys as computed there instead,
+        each row rotated once from where it was computed (a master's row from the master's
+        position): a piece that moved is then what a mirror copying the master holds, and saved
+        again it differs from its master only where recomputed."""
         session = self.sessions[entry]
         if not 0 <= start <= end <= session.length:
             raise IndexError(f"rows [{start}, {end}) outside the stored {session.length}")
+        here = torch.arange(start, end)
+        at = here if at is None else at
+        moved = not torch.equal(at, here)
         shape = session.own_keys.shape[1:]
         keys = session.own_keys.new_empty((end - start, *shape))
         values = session.own_values.new_empty((end - start, *shape))
         own = session.own_positions
         mine = (own >= start) & (own < end)
-        keys[own[mine] - start] = session.own_keys[mine]
+        keys[own[mine] - start] = self._rotate(session.own_keys[mine], own[mine], at[own[mine] - start], moved)
         values[own[mine] - start] = session.own_values[mine]
-        for key, at, n in session.refs:
-            lo, hi = max(at, start), min(at + n, end)
+        for key, piece, n in session.refs:
+            lo, hi = max(piece, start), min(piece + n, end)
             if lo >= hi:
                 continue
             master = self.masters[key]
-            keys[lo - start:hi - start] = self._moved(master, slice(lo - at, hi - at), torch.arange(lo, hi))
-            values[lo - start:hi - start] = master.values[lo - at:hi - at]
+            keys[lo - start:hi - start] = self._moved(master, slice(lo - piece, hi - piece), at[lo - start:hi - start])
+            values[lo - start:hi - start] = master.values[lo - piece:hi - piece]
         position, layer = session.diff_index[:, 0], session.diff_index[:, 1]
         mine = (position >= start) & (position < end)
-        keys[position[mine] - start, layer[mine]] = session.diff_keys[mine]
+        keys[position[mine] - start, layer[mine]] = self._rotate(session.diff_keys[mine][:, None], position[mine],
+                                                                  at[position[mine] - start], moved)[:, 0]
         values[position[mine] - start, layer[mine]] = session.diff_values[mine]
         return keys, values
+
+    def _rotate(self, keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, moved: bool) -> torch.Tensor:
+        """Rows [n, L, H, D] held at positions `src`, as computed at `dst` (as they are if nothing moved)."""
+        if not moved or not len(keys):
+            return keys
+        n, layers, heads, dim = keys.shape
+        return self.rotate(keys.reshape(n, layers * heads, dim), src, dst).view(n, layers, heads, dim)
 
     def drop(self, entry: str) -> int:
         """Forget an agent's entry (and every master no entry reads any more); the bytes freed."""

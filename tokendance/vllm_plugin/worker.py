@@ -268,8 +268,8 @@ class MirrorPass:
     def _copy_exact(self, loads, context, check_layer: int, clock: "PhaseClock") -> list[torch.Tensor]:
         """Copy every exact span's K/V, all layers, as is (same tokens, same positions, same
         prefix); per load, the mask of its claimed positions so filled. A moved piece read from
-        the session store is staged as it was held in its destination's layers after the check
-        layer (the copy re-rotates it there)."""
+        the session store is staged in its destination's layers after the check layer, its keys
+        rotated once to the destination's positions (the copy then moves it no further)."""
         masks, src, dst, stored = [], [], [], []
         for load, slots in zip(loads, context):
             mask = torch.zeros(len(load.token_ids), dtype=torch.bool)
@@ -277,7 +277,7 @@ class MirrorPass:
                 to = slots[span.start:span.start + span.length]
                 if span.stored is not None:  # from the session store, as the agent held it
                     stored.append((span.stored, span.source_start, span.source_start + span.length, to,
-                                   0 if span.exact else check_layer + 1))
+                                   0 if span.exact else check_layer + 1, span.start))
                 if span.exact:
                     mask[span.start - load.start:span.start - load.start + span.length] = True
                     if span.stored is not None:
@@ -293,9 +293,9 @@ class MirrorPass:
                 layout.write(dst_slots, *layout.read(src_slots))
         clock.lap("copy")
         self.restored = {}  # (entry, start, end) -> its rows, every layer: read once per pass
-        for entry, start, end, to, first in stored:
+        for entry, start, end, to, first, at in stored:
             keys, values = self.restored[entry, start, end] = tuple(
-                rows.to(to.device) for rows in self.store.rows(entry, start, end))
+                rows.to(to.device) for rows in self.store.rows(entry, start, end, torch.arange(at, at + end - start)))
             for index in range(first, len(self.layouts)):
                 self.layouts[index].write(to, keys[:, index], values[:, index])
         clock.lap("restore")
@@ -314,10 +314,10 @@ class MirrorPass:
                     continue
                 offsets = torch.arange(span.length)
                 weight = torch.full((span.length,), 1 / len(span.sources), device=keep.device)
-                # a stored piece was staged in its destination (`_copy_exact`): read back from there
+                # a stored piece was staged in its destination, at its positions (`_copy_exact`)
                 origins = [(load.block_ids, span.start)] if span.stored is not None else span.sources
                 held = Sources([self._slots(blocks, start, start + span.length) for blocks, start in origins],
-                               [offsets + start for _, start in span.sources], [weight] * len(span.sources))
+                               [offsets + start for _, start in origins], [weight] * len(origins))
                 d_pos = offsets + span.start
                 rows = row_of[span.start - load.start + offsets]
                 deviation = None
