@@ -16,6 +16,9 @@ same positions of its new prompt. N fits a setting when, over every pass after t
   whole blocks; the plugin: its own `computed_tokens{reason="history"}`, to the token);
 - every round met the SLO (`--slo-seconds`, the round's wall time).
 
+"store MB/agent" is the store's bytes over the agents it holds after the trial, earlier trials'
+agents it still holds included.
+
 Every request is answered: vLLM preempts and recomputes a request when its pool runs short, which
 the trial reports and the rounds' time pays for. The search walks `--agents` upwards and stops a
 setting at its first N that does not fit. Each trial has salts of its own, so no trial is served
@@ -122,7 +125,8 @@ def main() -> int:
                 for q, t, out in zip(prompts, group, outputs):
                     previous[t.agent_id] = q + list(out.outputs[0].token_ids)
                 bar.update(1)
-        end = counters(llm)
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1), use_tqdm=False)
+        end = counters(llm)  # (after one more step: the last requests' saves have landed)
         row["preemptions"] = int(end.get("num_preemptions", 0) - start.get("num_preemptions", 0))
         row["store_mb_per_agent"] = (end.get("tokendance_store_bytes", 0) / MB / end["tokendance_store_agents"]
                                      if end.get("tokendance_store_agents") else None)

@@ -223,6 +223,13 @@ def test_a_client_cannot_name_its_agent_as_the_server_names_conversations():
                 assert exc.param == "agent_id" and "conversation-" in str(exc)
             else:
                 raise AssertionError(f"agent_id {name!r} was accepted")
+    tag = {"round_id": "r", "agent_id": "conversation-0123", "round_size": 2}
+    try:
+        tag_body({**turn("Abigail", [0]), "kv_transfer_params": {"tokendance": tag}, "cache_salt": "s"})
+    except FieldError as exc:
+        assert exc.param == "kv_transfer_params.tokendance" and "conversation-" in str(exc)
+    else:
+        raise AssertionError("a client-written tag naming a conversation was accepted")
     assert tag_body(turn("Abigail", [0], agent_id="my-conversation-1", round_id="r"))["cache_salt"]
 
 

@@ -97,6 +97,10 @@ def check_own_tag(params: dict, salt, fields: dict) -> None:
                          f"{', '.join(ROUND_FIELDS)} instead", param)
     if fields:
         raise FieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
+    agent_id = params["tokendance"].get("agent_id") if isinstance(params["tokendance"], dict) else None
+    if isinstance(agent_id, str) and agent_id.startswith(SERVER_AGENT_PREFIXES):
+        raise FieldError(f"{param}.agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server "
+                         "names its own agents so", param)
     try:
         RoundTag.parse(params)
     except RoundParamsError as exc:

@@ -503,6 +503,7 @@ class RoundBook:
         its other tokens are:
         - `history`: what its agent's previous request held at the same positions, exactly, and
           no cached block holds any more (evicted, or the previous request's unfinished last block);
+          for a master or exact member too (its own history past its claim);
         - `prefix`: what a master of its round holds at the same positions (an identical prefix,
           such as the system prompt, under another salt);
         - `no_master`: pieces other members share but no master computes;
@@ -512,13 +513,15 @@ class RoundBook:
             return
         member.counted = True
         start, total = member.num_computed, len(member.token_ids)
-        if member.role != "mirror" or member.claim is None:
-            claimed = 0 if member.claim is None else member.claim[1] - member.claim[0]
-            self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start - claimed
-            self._count_spans(member)
-            return
         session = self.sessions.get((member.tag.namespace, member.tag.agent_id))
         history = common_prefix(member.token_ids, session.token_ids) if session else 0
+        if member.role != "mirror" or member.claim is None:  # its own history past its claim: computed again
+            claimed = 0 if member.claim is None else member.claim[1] - member.claim[0]
+            lost = overlap(start + claimed, total, 0, history)
+            self.counters[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start - claimed - lost
+            self.counters["computed_tokens.history"] += lost
+            self._count_spans(member)
+            return
         moved = [(p.start, p.end) for p in member.pieces
                  if session and p.key in session.pieces and p.end - p.start >= self.min_piece_tokens]
         masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}

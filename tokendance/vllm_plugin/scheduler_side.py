@@ -48,7 +48,7 @@ class SchedulerSide:
     def bind(self, block_pool) -> None:
         """vLLM's block pool (its size bounds the round book's pins)."""
         self.block_pool = block_pool
-        self.book.pool_blocks = block_pool.num_gpu_blocks
+        self.book.pool_blocks = block_pool.num_gpu_blocks - 1  # one is vLLM's null block
 
     def _cached_block(self, block_hash) -> int | None:
         """The block vLLM's prefix cache holds for a hash (one KV cache group), or None."""

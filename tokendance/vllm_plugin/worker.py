@@ -277,7 +277,7 @@ class MirrorPass:
                 to = slots[span.start:span.start + span.length]
                 if span.stored is not None:  # from the session store, as the agent held it
                     stored.append((span.stored, span.source_start, span.source_start + span.length, to,
-                                   0 if span.exact else check_layer + 1, span.start))
+                                   0 if span.exact else check_layer + 1, span.start))  # (the piece may repeat)
                 if span.exact:
                     mask[span.start - load.start:span.start - load.start + span.length] = True
                     if span.stored is not None:
@@ -292,9 +292,9 @@ class MirrorPass:
             for layout in self.layouts:
                 layout.write(dst_slots, *layout.read(src_slots))
         clock.lap("copy")
-        self.restored = {}  # (entry, start, end) -> its rows, every layer: read once per pass
+        self.restored = {}  # (entry, start, end, destination) -> its rows, every layer: read once per pass
         for entry, start, end, to, first, at in stored:
-            keys, values = self.restored[entry, start, end] = tuple(
+            keys, values = self.restored[entry, start, end, at] = tuple(
                 rows.to(to.device) for rows in self.store.rows(entry, start, end, torch.arange(at, at + end - start)))
             for index in range(first, len(self.layouts)):
                 self.layouts[index].write(to, keys[:, index], values[:, index])
@@ -323,7 +323,7 @@ class MirrorPass:
                 deviation = None
                 if fresh is not None:
                     if span.stored is not None:  # its check layer holds fresh KV now: read the store
-                        keys = self.restored[span.stored, span.source_start, span.source_start + span.length][0]
+                        keys = self.restored[span.stored, span.source_start, span.source_start + span.length, span.start][0]
                         cached = self.rotate(keys[:, self.check_layer], held.positions[0], d_pos)
                     else:
                         cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
