@@ -66,9 +66,8 @@ def tag_body(body: dict, chat: bool = True) -> dict:
     if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_CHARS:
         raise FieldError(f"agent_id must be a string of 1 to {MAX_ID_CHARS} characters (it names the agent's "
                          "session)", "agent_id")
-    if fields.get("agent_id") is not None and agent_id.startswith(SERVER_AGENT_PREFIXES):
-        raise FieldError(f"agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server names its "
-                         "own agents so (a gathered conversation, a member without an agent_id)", "agent_id")
+    if fields.get("agent_id") is not None:
+        refuse_server_agent_id(agent_id, "agent_id")
     if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ID_CHARS):
         raise FieldError(f"round_id must be a string of 1 to {MAX_ID_CHARS} characters", "round_id")
     if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int)
@@ -89,6 +88,13 @@ def tag_body(body: dict, chat: bool = True) -> dict:
     return body
 
 
+def refuse_server_agent_id(agent_id, param: str) -> None:
+    """A client's agent id may not take a name the server gives its own agents."""
+    if isinstance(agent_id, str) and agent_id.startswith(SERVER_AGENT_PREFIXES):
+        raise FieldError(f"agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server names its "
+                         "own agents so (a gathered conversation, a member without an agent_id)", param)
+
+
 def check_own_tag(params: dict, salt, fields: dict) -> None:
     """A round tag the client wrote: refused with the field named if the connector could not use it."""
     param = "kv_transfer_params.tokendance"
@@ -98,9 +104,7 @@ def check_own_tag(params: dict, salt, fields: dict) -> None:
     if fields:
         raise FieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
     agent_id = params["tokendance"].get("agent_id") if isinstance(params["tokendance"], dict) else None
-    if isinstance(agent_id, str) and agent_id.startswith(SERVER_AGENT_PREFIXES):
-        raise FieldError(f"{param}.agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server "
-                         "names its own agents so", param)
+    refuse_server_agent_id(agent_id, param)
     try:
         RoundTag.parse(params)
     except RoundParamsError as exc:

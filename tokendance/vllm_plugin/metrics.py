@@ -24,8 +24,8 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
     "held_steps": ("held_steps", None, "engine steps a member was held (its round forming, its masters computing, "
                                        "or the step's claim budget spent)"),
     "unpinned_holders": ("unpinned_holders", None, "first holders whose pieces were not pinned for later readers "
-                                                   "(the pins would have taken over half of the pool): those "
-                                                   "readers computed the pieces"),
+                                                   "(pins take at most half of the pool and leave room for the "
+                                                   "round's largest member): those readers computed the pieces"),
     "claimed_tokens": ("claimed_tokens", None, "prompt tokens mirrors claimed (filled by the pass)"),
     "pass_tokens": ("pass_tokens", None, "claimed tokens the workers' passes filled"),
     "reused_tokens": ("reused_tokens", None, "prompt tokens served from masters' or the agent's own earlier KV "

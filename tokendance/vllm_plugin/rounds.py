@@ -158,6 +158,7 @@ class Round:
     planned: bool = False
     pinned: list[int] = field(default_factory=list)  # block ids held for the masters
     serial: int = 0  # unique for the book's life (a round id may come again)
+    largest_blocks: int = 0  # the blocks its largest member may take (set when planned)
 
     def is_complete(self, now: float, timeout: float) -> bool:
         return (self.size is not None and len(self.members) >= self.size) or now - self.opened >= timeout
@@ -450,8 +451,7 @@ class RoundBook:
         return sum(len(r.pinned) for r in [*self.rounds.values(), *self.closed])
 
     def _pin_limit(self, round_: Round) -> int:
-        largest = max(len(m.token_ids) // self.block_size + 2 for m in round_.members.values())
-        return min(self.pool_blocks // 2, self.pool_blocks - largest)
+        return min(self.pool_blocks // 2, self.pool_blocks - round_.largest_blocks)
 
     def finish(self, request_id: str, all_token_ids: Sequence[int] | None = None,
                block_hashes: Sequence[Any] = ()) -> int | None:
@@ -560,6 +560,7 @@ class RoundBook:
         """Masters by the engine's planning code; each mirror's reusable pieces from them."""
         round_.planned = True
         members = list(round_.members.values())
+        round_.largest_blocks = max(len(m.token_ids) // self.block_size + 2 for m in members)
         complete = round_.size is not None and len(members) >= round_.size
         self.counters["rounds_single" if round_.size == 1 else "rounds_complete" if complete else "rounds_timed_out"] += 1
         holders: dict[bytes, int] = {}

@@ -83,9 +83,7 @@ class SessionStore:
 
     def _moved(self, master: MasterPiece, rows: slice, at: torch.Tensor) -> torch.Tensor:
         """The master's keys of `rows`, every layer, re-rotated to positions `at`."""
-        keys = master.keys[rows]
-        n, layers, heads, dim = keys.shape
-        return self.rotate(keys.reshape(n, layers * heads, dim), master.positions[rows], at).view(n, layers, heads, dim)
+        return self._rotate(master.keys[rows], master.positions[rows], at)
 
     def capture(self, key: bytes, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], start: int, end: int,
                 round_serial: int) -> None:
@@ -164,7 +162,10 @@ class SessionStore:
         values = session.own_values.new_empty((end - start, *shape))
         own = session.own_positions
         mine = (own >= start) & (own < end)
-        keys[own[mine] - start] = self._rotate(session.own_keys[mine], own[mine], at[own[mine] - start], moved)
+        if moved:
+            keys[own[mine] - start] = self._rotate(session.own_keys[mine], own[mine], at[own[mine] - start])
+        else:
+            keys[own[mine] - start] = session.own_keys[mine]
         values[own[mine] - start] = session.own_values[mine]
         for key, piece, n in session.refs:
             lo, hi = max(piece, start), min(piece + n, end)
@@ -175,14 +176,16 @@ class SessionStore:
             values[lo - start:hi - start] = master.values[lo - piece:hi - piece]
         position, layer = session.diff_index[:, 0], session.diff_index[:, 1]
         mine = (position >= start) & (position < end)
-        keys[position[mine] - start, layer[mine]] = self._rotate(session.diff_keys[mine][:, None], position[mine],
-                                                                  at[position[mine] - start], moved)[:, 0]
+        diff_keys = session.diff_keys[mine]
+        if moved:
+            diff_keys = self._rotate(diff_keys[:, None], position[mine], at[position[mine] - start])[:, 0]
+        keys[position[mine] - start, layer[mine]] = diff_keys
         values[position[mine] - start, layer[mine]] = session.diff_values[mine]
         return keys, values
 
-    def _rotate(self, keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, moved: bool) -> torch.Tensor:
-        """Rows [n, L, H, D] held at positions `src`, as computed at `dst` (as they are if nothing moved)."""
-        if not moved or not len(keys):
+    def _rotate(self, keys: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Rows [n, L, H, D] held at positions `src`, as computed at `dst`."""
+        if not len(keys):
             return keys
         n, layers, heads, dim = keys.shape
         return self.rotate(keys.reshape(n, layers * heads, dim), src, dst).view(n, layers, heads, dim)

@@ -322,9 +322,9 @@ class MirrorPass:
                 rows = row_of[span.start - load.start + offsets]
                 deviation = None
                 if fresh is not None:
-                    if span.stored is not None:  # its check layer holds fresh KV now: read the store
+                    if span.stored is not None:  # its check layer holds fresh KV now: the store's, at d_pos
                         keys = self.restored[span.stored, span.source_start, span.source_start + span.length, span.start][0]
-                        cached = self.rotate(keys[:, self.check_layer], held.positions[0], d_pos)
+                        cached = keys[:, self.check_layer]
                     else:
                         cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
                     deviation = key_deviation(fresh[rows], cached)
