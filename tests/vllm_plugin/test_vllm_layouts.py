@@ -1,11 +1,11 @@
 """The plugin's KV layout readers/writers and key rotation, on tensors of each layout: the GPU
-flash layout on CPU tensors (no GPU here), the vLLM-CPU `vec` layout against vLLM's own write op,
+flash layout on CPU tensors (no GPU here), every vLLM-CPU layout against vLLM's own write op,
 the rotation against vLLM's own RoPE for each scaling it applies."""
 
 import pytest
 import torch
 
-from tokendance.vllm_plugin.layouts import CpuVecLayout, FlashLayout
+from tokendance.vllm_plugin.layouts import FlashLayout
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 16, 64
 
@@ -37,18 +37,42 @@ def test_flash_layout_reads_and_writes_what_flash_attention_sees(physical):
     assert layout.read(untouched.nonzero().flatten())[0].abs().sum() == 0  # nothing else written
 
 
-def test_cpu_vec_layout_reads_what_vllms_cpu_write_op_wrote():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
+def test_cpu_layout_reads_and_writes_as_vllms_cpu_write_op(isa, dtype):
+    """Every ISA vLLM-CPU's write op serves, the AMX-packed bf16 cache included (its write op runs
+    on any x86 CPU; only its attention needs AMX): the probed layout reads what the op wrote, and
+    its own write lays the bytes out exactly as the op does."""
     ops = pytest.importorskip("vllm._custom_ops")
-    cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
-    key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BLOCK * 2, DIM).chunk(2, dim=2)
-    slots, k, v = slots_and_kv()
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
-    layout = CpuVecLayout(cache, BLOCK, DIM)
+    from tokendance.vllm_plugin.layouts import CpuLayout, probe_cpu_regions
+
+    block = 32  # the AMX layout needs a multiple of 32
+    cache = torch.zeros(NUM_BLOCKS, HEADS, block, 2 * DIM, dtype=dtype)
+    key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, block * 2, DIM).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(2)
+    slots = torch.randperm(NUM_BLOCKS * block, generator=g)[:70]
+    k, v = (torch.randn(70, HEADS, DIM, generator=g).to(dtype) for _ in range(2))
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    regions = probe_cpu_regions(isa, dtype, block, HEADS, DIM)
+    assert regions is not None
+    layout = CpuLayout(cache, block, DIM, regions)
     read_k, read_v = layout.read(slots)
     assert torch.equal(read_k, k) and torch.equal(read_v, v)
     again = torch.zeros_like(cache)
-    CpuVecLayout(again, BLOCK, DIM).write(slots, k, v)
-    assert torch.equal(again, cache)  # our write lays bytes out exactly as vLLM's op
+    CpuLayout(again, block, DIM, regions).write(slots, k, v)
+    assert torch.equal(again, cache)
+
+
+def test_the_amx_packed_bf16_cache_is_laid_out_unlike_the_vec_one():
+    """The probe learns a layout, it does not assume one: bf16 keys under AMX are packed in pairs
+    of dims, so reading that cache as `vec` would be wrong."""
+    pytest.importorskip("vllm._custom_ops")
+    from tokendance.vllm_plugin.layouts import probe_cpu_regions
+
+    amx = probe_cpu_regions("amx", torch.bfloat16, 32, HEADS, DIM)
+    vec = probe_cpu_regions("vec", torch.bfloat16, 32, HEADS, DIM)
+    assert amx[0] != vec[0] and amx[0].dim[-1] == (2, 1)  # two dims side by side
+    assert probe_cpu_regions("vec", torch.bfloat16, 512, HEADS, DIM) is None  # codes past bf16's exact integers
 
 
 ROPES = {
