@@ -17,7 +17,9 @@ same positions of its new prompt. N fits a setting when, over every pass after t
 - every round met the SLO (`--slo-seconds`, the round's wall time).
 
 "store MB/agent" is the store's bytes over the agents it holds after the trial, earlier trials'
-agents it still holds included.
+agents it still holds included. For the store, each trial also prints what a restore costs: an
+agent's history (its mean in passes 2+) at the store's read rate (`pass_seconds{phase="restore"}`
+over the tokens restored), beside the same tokens at vLLM's own prefill rate in that engine.
 
 Every request is answered: vLLM preempts and recomputes a request when its pool runs short, which
 the trial reports and the rounds' time pays for. The search walks `--agents` upwards and stops a
@@ -39,6 +41,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MB = 2**20
 BLOCK = 128  # vLLM-CPU's KV block, in tokens
+
+
+def prefill_us_per_token(llm, length: int) -> float:
+    """vLLM's own prefill in this engine, microseconds per token: a prompt of `length` tokens no
+    cache holds, the second of two timings (the first warms)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seconds = 0.0
+    for attempt in range(2):
+        prompt = TokensPrompt(prompt_token_ids=[(attempt * 7919 + 31 * i) % 20000 + 100 for i in range(length)],
+                              cache_salt=f"prefill-{time.time_ns()}")
+        started = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        seconds = time.perf_counter() - started
+    return seconds / length * 1e6
 
 
 def main() -> int:
@@ -82,7 +100,7 @@ def main() -> int:
     def counters(llm) -> dict:
         found: dict = {}
         for m in llm.get_metrics():
-            label = m.labels.get("reason")
+            label = m.labels.get("reason") or m.labels.get("phase")
             key = m.name.removeprefix("vllm:") + (f".{label}" if label else "")
             found[key] = found.get(key, 0) + getattr(m, "value", 0)
         return found
@@ -131,6 +149,10 @@ def main() -> int:
         row["store_mb_per_agent"] = (end.get("tokendance_store_bytes", 0) / MB / end["tokendance_store_agents"]
                                      if end.get("tokendance_store_agents") else None)
         row["store_agents"] = end.get("tokendance_store_agents")
+        restored = end.get("tokendance_restored_tokens", 0) - start.get("tokendance_restored_tokens", 0)
+        row["restore_us_per_token"] = ((end.get("tokendance_pass_seconds.restore", 0) - start.get(
+            "tokendance_pass_seconds.restore", 0)) / restored * 1e6 if restored else None)
+        row["history_tokens_per_agent"] = row["history"] / (n * (args.rounds - 1)) if args.rounds > 1 else 0
         row["dense_mb_per_agent"] = sum(map(len, previous.values())) * per_token / MB / n
         row["lost_share"] = row["lost"] / row["history"] if row["history"] else 0.0
         worst = max(row["round_seconds"], default=0.0)
@@ -150,6 +172,7 @@ def main() -> int:
                   enforce_eager=True, seed=0, disable_log_stats=False, kv_transfer_config=config,
                   num_gpu_blocks_override=blocks)
         rows = []
+        prefill = prefill_us_per_token(llm, 2048)
         with tqdm(total=rounds, desc=names[setting], unit="round") as bar:
             for n in args.agents:
                 row = trial(llm, setting, n, bar)
@@ -158,7 +181,7 @@ def main() -> int:
                           + " ".join(f"{s:.1f}" for s in row["round_seconds"]) + " s")
                 if not row["fits"]:
                     break
-        results["settings"][setting] = {"name": names[setting], "trials": rows,
+        results["settings"][setting] = {"name": names[setting], "trials": rows, "prefill_us_per_token": prefill,
                                         "max_agents": max((r["agents"] for r in rows if r["fits"]), default=0)}
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +197,13 @@ def main() -> int:
             store = "-" if r["store_mb_per_agent"] is None else f"{r['store_mb_per_agent']:.2f}"
             print(f"{setting['name']:>36}{r['agents']:>5}{'yes' if r['fits'] else 'no':>6}{r['lost_share']:>14.1%}"
                   f"{r['preemptions']:>11}{max(r['round_seconds'], default=0):>15.1f}{r['dense_mb_per_agent']:>16.2f}{store:>16}")
+    for setting in results["settings"].values():  # what a restore saves: the same history computed by vLLM
+        for r in setting["trials"]:
+            if r.get("restore_us_per_token"):
+                tokens = r["history_tokens_per_agent"]
+                print(f"{setting['name']} N={r['agents']}: an agent's history ({tokens:.0f} tokens) restored in "
+                      f"{tokens * r['restore_us_per_token'] / 1e3:.1f} ms, computed by vLLM in "
+                      f"{tokens * setting['prefill_us_per_token'] / 1e3:.1f} ms")
     plain = results["settings"].get("plain", {}).get("max_agents")
     for setting in results["settings"].values():
         ratio = f" ({setting['max_agents'] / plain:.2f}x plain vLLM)" if plain else ""

@@ -2,9 +2,10 @@
 prompts computed exactly; writes each agent's role, claimed tokens and first-token log-probs
 (both ways) as JSON. Run in a subprocess per model (vLLM keeps one engine per process well):
 
-    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON]
+    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON [ENGINE_JSON]]
 
-(SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'.)
+(SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'; ENGINE_JSON:
+more of `vllm.LLM`'s arguments, e.g. '{"tensor_parallel_size": 2}'.)
 """
 
 import json
@@ -18,31 +19,38 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-folder, out = sys.argv[1], sys.argv[2]
-settings = {"recompute_ratio": 1.0, **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")}
-llm = LLM(model=folder, dtype="float32", max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
-          block_size=32, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
-                                                             kv_connector_extra_config=settings))
-tokenizer = llm.get_tokenizer()
-names = ["Ann", "Ben", "Cal", "Dee"]
-said = "\n".join(f"[{n}]: the bridge needs {i + 2} new planks before the market, and {n} will bring rope." for i, n in enumerate(names))
-prompts = {}
-for i, name in enumerate(names):
-    messages = [{"role": "system", "content": f"You are {name}. " + "You keep bees and sell honey. " * (i + 1)},
-                {"role": "user", "content": f"Last round:\n{said}\nWhat do you do now, {name}?"}]
-    prompts[name] = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+NAMES = ["Ann", "Ben", "Cal", "Dee"]
 
 
-def run(salt, tagged):
-    params = [SamplingParams(temperature=0, max_tokens=2, logprobs=5, extra_args={"kv_transfer_params": {
-        "tokendance": {"round_id": "r", "round_size": 4, "agent_id": n}}} if tagged else None) for n in names]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[n], cache_salt=f"{salt}-{n}") for n in names],
-                           params, use_tqdm=False)
-    return {n: {"role": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("role"),
-                "claimed": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("claimed_tokens", 0),
-                "first": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
-            for n, o in zip(names, outputs)}
+def main():
+    folder, out = sys.argv[1], sys.argv[2]
+    settings = {"recompute_ratio": 1.0, **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")}
+    engine = json.loads(sys.argv[4] if len(sys.argv) > 4 else "{}")
+    llm = LLM(model=folder, dtype="float32", max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
+              block_size=32, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
+                                                                 kv_connector_extra_config=settings), **engine)
+    tokenizer = llm.get_tokenizer()
+    said = "\n".join(f"[{n}]: the bridge needs {i + 2} new planks before the market, and {n} will bring rope."
+                     for i, n in enumerate(NAMES))
+    prompts = {}
+    for i, name in enumerate(NAMES):
+        messages = [{"role": "system", "content": f"You are {name}. " + "You keep bees and sell honey. " * (i + 1)},
+                    {"role": "user", "content": f"Last round:\n{said}\nWhat do you do now, {name}?"}]
+        prompts[name] = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+
+    def run(salt, tagged):
+        params = [SamplingParams(temperature=0, max_tokens=2, logprobs=5, extra_args={"kv_transfer_params": {
+            "tokendance": {"round_id": "r", "round_size": 4, "agent_id": n}}} if tagged else None) for n in NAMES]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[n], cache_salt=f"{salt}-{n}") for n in NAMES],
+                               params, use_tqdm=False)
+        return {n: {"role": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("role"),
+                    "claimed": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("claimed_tokens", 0),
+                    "first": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+                for n, o in zip(NAMES, outputs)}
+
+    json.dump({"reused": run("reused", True), "exact": run("exact", False)}, open(out, "w"))
 
 
-json.dump({"reused": run("reused", True), "exact": run("exact", False)}, open(out, "w"))
+if __name__ == "__main__":  # (tensor-parallel workers are spawned: they import this file)
+    main()

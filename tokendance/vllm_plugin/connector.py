@@ -68,7 +68,13 @@ class StoreReport(KVConnectorWorkerMetadata):
     sizes: dict[str, int] = field(default_factory=dict)
     total_bytes: int = 0
 
-    def aggregate(self, other: "StoreReport") -> "StoreReport":  # ranks hold the same entries
+    def aggregate(self, other: "StoreReport") -> "StoreReport":
+        """Tensor-parallel ranks hold the same entries, each its own heads: the scheduler budgets
+        the largest rank, and an entry one rank failed to save (-1) failed."""
+        for entry, size in other.sizes.items():
+            mine = self.sizes.get(entry, size)
+            self.sizes[entry] = -1 if -1 in (mine, size) else max(mine, size)
+        self.total_bytes = max(self.total_bytes, other.total_bytes)
         return self
 
 
@@ -101,8 +107,8 @@ def unsupported_reason(vllm_config) -> str | None:
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return f"architecture {architectures} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        return "tensor or pipeline parallelism (not tested yet)"
+    if parallel.pipeline_parallel_size != 1:
+        return "pipeline parallelism (the pass drives every decoder layer in one process)"
     if vllm_config.cache_config.cache_dtype != "auto":
         return f"kv cache dtype {vllm_config.cache_config.cache_dtype}"
     if getattr(model.hf_config, "sliding_window", None) and getattr(model.hf_config, "use_sliding_window", True):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag, overlap
 from tokendance.vllm_plugin.store import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
@@ -198,9 +198,12 @@ class SchedulerSide:
         if (self.store_index is None or not (member.salt or member.tag.transparent) or length <= 0
                 or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
             return False
-        pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
+        copied = [(span.start, span.start + span.length) for span in self.book.loads_for(member)] if member.loaded else []
+        pieces = [(p.key, p.start, p.end, not any(overlap(p.start, p.end, a, b) for a, b in copied))
+                  for p in member.pieces if p.end <= length]  # (key, start, end, computed here rather than copied)
         self.store_index.save((member.tag.namespace, member.tag.agent_id), member.salt,
-                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id)
+                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id,
+                              member.tag.recompute_ratio)
         return True
 
     def take_counters(self) -> dict[str, float]:

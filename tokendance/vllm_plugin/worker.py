@@ -307,6 +307,7 @@ class MirrorPass:
         None: those from KV written before this pass, and those from mirrors of this pass."""
         row = 0
         sources, dst_slots, dst_pos = ([], []), ([], []), ([], [])  # (from earlier KV, from this pass)
+        spans = []  # (load, span, its held sources, its positions, its rows in the batch, its deviation)
         for load, mask in zip(loads, batch):
             row_of = row + torch.cumsum(mask.long(), 0) - 1  # claimed position -> batch row
             for span in load.spans:
@@ -328,14 +329,19 @@ class MirrorPass:
                     else:
                         cached = held.read(self.layouts[self.check_layer], self.rotate, d_pos)[0]
                     deviation = key_deviation(fresh[rows], cached)
-                chosen = torch.zeros(span.length, dtype=torch.bool)
-                chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
-                reused = ~chosen
-                keep[rows[reused]] = False
-                sources[span.late].append(held.select(reused))
-                dst_slots[span.late].append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
-                dst_pos[span.late].append(d_pos[reused])
+                spans.append((load, span, held, d_pos, rows, deviation))
             row += int(mask.sum())
+        if fresh is not None:
+            agreed = across_ranks([deviation for *_, deviation in spans])
+            spans = [(*span[:-1], deviation) for span, deviation in zip(spans, agreed)]
+        for load, span, held, d_pos, rows, deviation in spans:
+            chosen = torch.zeros(span.length, dtype=torch.bool)
+            chosen[self._selector(load.recompute_ratio).select(span.length, deviation)] = True
+            reused = ~chosen
+            keep[rows[reused]] = False
+            sources[span.late].append(held.select(reused))
+            dst_slots[span.late].append(self._slots(load.block_ids, span.start, span.start + span.length)[reused])
+            dst_pos[span.late].append(d_pos[reused])
         return tuple(None if not sources[k] else (Sources.cat(sources[k]), torch.cat(dst_slots[k]), torch.cat(dst_pos[k]))
                      for k in (0, 1))
 
@@ -380,6 +386,23 @@ class MirrorPass:
         position = torch.arange(start, end)
         return (blocks[position // self.block_size] * self.block_size + position % self.block_size).to(
             self.layouts[0].cache.device)
+
+
+def across_ranks(deviations: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each span's key deviations summed over the tensor-parallel ranks (each holds some heads), so
+    that every rank selects the same tokens: the recompute's layers all-reduce its rows across the
+    ranks, and ranks that had picked different tokens would sum rows of different tokens (or, with
+    different counts, never meet). One all-reduce for the whole pass."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+    try:
+        ranks = get_tensor_model_parallel_world_size()
+    except AssertionError:  # no model-parallel group in this process
+        ranks = 1
+    if not deviations or ranks == 1:
+        return deviations
+    summed = tensor_model_parallel_all_reduce(torch.cat(deviations))
+    return list(summed.split([len(d) for d in deviations]))
 
 
 class PhaseClock:

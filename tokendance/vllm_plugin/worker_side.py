@@ -101,7 +101,8 @@ class WorkerSide:
         for order in saves:
             try:
                 slots = self._pass()._slots(order.block_ids, 0, order.length)
-                store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces)
+                ratio = self.settings.recompute_ratio if order.recompute_ratio is None else order.recompute_ratio
+                store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces, ratio)
                 self.saved[order.entry] = store.sessions[order.entry].nbytes
             except Exception:  # never fatal: the agent's next request computes what it lacks
                 logger.exception("TokenDanceConnector: saving request %s into the store failed", order.entry)
