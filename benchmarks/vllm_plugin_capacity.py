@@ -20,6 +20,9 @@ same positions of its new prompt. N fits a setting when, over every pass after t
 agents it still holds included. For the store, each trial also prints what a restore costs: an
 agent's history (its mean in passes 2+) at the store's read rate (`pass_seconds{phase="restore"}`
 over the tokens restored), beside the same tokens at vLLM's own prefill rate in that engine.
+Where plain vLLM ran the same N, the prompts are the same (the open loop's outputs are synthetic),
+so each other setting's replies are compared with plain vLLM's exact ones: how many are identical,
+and the share of reply tokens before the first difference.
 
 Every request is answered: vLLM preempts and recomputes a request when its pool runs short, which
 the trial reports and the rounds' time pays for. The search walks `--agents` upwards and stops a
@@ -111,7 +114,7 @@ def main() -> int:
         active = args.active or n
         salt = f"{setting}-{n}-{time.time_ns()}"
         previous: dict[str, list[int]] = {}  # agent -> its previous request's tokens (prompt and output)
-        row = {"agents": n, "round_seconds": [], "history": 0, "lost": 0, "preemptions": 0}
+        row = {"agents": n, "round_seconds": [], "history": 0, "lost": 0, "preemptions": 0, "replies": {}}
         start = counters(llm)
         for p in range(args.rounds):
             turns = workload.turns(p, [workload.synthetic_outputs(i) for i in range(p)])
@@ -142,6 +145,7 @@ def main() -> int:
                     row["round_seconds"].append(seconds)
                 for q, t, out in zip(prompts, group, outputs):
                     previous[t.agent_id] = q + list(out.outputs[0].token_ids)
+                    row["replies"][f"{p}/{t.agent_id}"] = list(out.outputs[0].token_ids)
                 bar.update(1)
         llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1), use_tqdm=False)
         end = counters(llm)  # (after one more step: the last requests' saves have landed)
@@ -204,6 +208,15 @@ def main() -> int:
                 print(f"{setting['name']} N={r['agents']}: an agent's history ({tokens:.0f} tokens) restored in "
                       f"{tokens * r['restore_us_per_token'] / 1e3:.1f} ms, computed by vLLM in "
                       f"{tokens * setting['prefill_us_per_token'] / 1e3:.1f} ms")
+    exact = {r["agents"]: r["replies"] for r in results["settings"].get("plain", {}).get("trials", [])}
+    for setting in results["settings"].values():  # the same prompts (open loop): how far replies follow exact ones
+        for r in setting["trials"]:
+            if setting is not results["settings"].get("plain") and r["agents"] in exact:
+                pairs = [(r["replies"][k], exact[r["agents"]][k]) for k in r["replies"]]
+                same = sum(a == b for a, b in pairs)
+                prefix = sum(common_prefix(a, b) for a, b in pairs) / sum(len(b) for _, b in pairs)
+                print(f"{setting['name']} N={r['agents']}: {same} of {len(pairs)} replies identical to plain vLLM's, "
+                      f"{prefix:.1%} of reply tokens before the first difference")
     plain = results["settings"].get("plain", {}).get("max_agents")
     for setting in results["settings"].values():
         ratio = f" ({setting['max_agents'] / plain:.2f}x plain vLLM)" if plain else ""

@@ -92,3 +92,16 @@ def test_tensor_parallel_ranks_select_the_same_tokens_and_reuse_as_one_rank_does
             assert len(common) >= 4
             assert max(abs(got["first"][t] - want["first"][t]) for t in common) < 1e-3, (kind, agent)
     assert sum(a["claimed"] for a in split["reused"].values()) > 0
+
+
+def test_every_model_runner_of_this_vllm_hands_its_model_over():
+    """The handoff wraps `load_model` of each runner vLLM may pick, Model Runner V2's GPU runner
+    (vLLM's default wherever Triton is installed) included; on a GPU without it every pass would
+    fail. (Only the CPU runner loads a model here: no GPU.)"""
+    from tokendance.vllm_plugin import handoff
+
+    handoff.install()
+    names = {f"{cls.__module__}.{cls.__name__}": cls for cls in handoff.runner_classes()}
+    assert {"vllm.v1.worker.gpu_model_runner.GPUModelRunner", "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
+            "vllm.v1.worker.cpu_model_runner.CPUModelRunner"} <= set(names)
+    assert all(getattr(cls.__dict__.get("load_model"), "_tokendance_handoff", False) for cls in names.values())

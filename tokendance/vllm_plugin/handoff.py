@@ -9,23 +9,31 @@ one place a connector in the same worker can find it. No source of vLLM is chang
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 import weakref
 
 _models: list[weakref.ref] = []  # the models this process's runners loaded (one per worker)
 
 
-def install() -> None:
-    """Wrap the GPU and CPU model runners' `load_model` so the loaded model is remembered."""
+def runner_classes() -> list[type]:
+    """vLLM's model runners: the GPU one, the GPU one of Model Runner V2 (the default wherever
+    Triton is installed), the CPU one, as far as this build has them."""
     from vllm.v1.worker import gpu_model_runner
 
     classes = [gpu_model_runner.GPUModelRunner]
-    try:
-        from vllm.v1.worker import cpu_model_runner
+    for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.cpu_model_runner"):
+        try:
+            imported = importlib.import_module(module)
+        except ImportError:  # a build without it
+            continue
+        classes.append(imported.CPUModelRunner if module.endswith("cpu_model_runner") else imported.GPUModelRunner)
+    return classes
 
-        classes.append(cpu_model_runner.CPUModelRunner)
-    except ImportError:  # a build without the CPU runner
-        pass
+
+def install() -> None:
+    """Wrap every model runner's `load_model` so the loaded model is remembered."""
+    classes = runner_classes()
     for cls in classes:
         original = cls.__dict__.get("load_model")
         if original is None or getattr(original, "_tokendance_handoff", False):
