@@ -70,6 +70,7 @@ def test_ratio_one_round_matches_exact_logprobs(family, model_folder, tmp_path):
         assert max(abs(got["first"][t] - want[t]) for t in want) < 1e-3, (family, agent)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores (vLLM-CPU's all-reduce spins)")
 def test_tensor_parallel_ranks_select_the_same_tokens_and_reuse_as_one_rank_does(model_folder, tmp_path):
     """Under tensor parallelism (vLLM-CPU, 2 ranks, each holding one of the 2 KV heads) every rank
     ranks its own heads' key deviations: unless they agree, ranks recompute different tokens and
@@ -80,7 +81,7 @@ def test_tensor_parallel_ranks_select_the_same_tokens_and_reuse_as_one_rank_does
     folder = write_model("qwen2", model_folder, tmp_path / "qwen2")
     settings = {"selection": "cacheblend", "recompute_ratio": 0.3}
     cores = sorted(os.sched_getaffinity(0))
-    bind = "|".join(str(cores[i % len(cores)]) for i in range(2))  # one core per rank (vLLM-CPU wants it said)
+    bind = f"{cores[0]}|{cores[1]}"  # one core per rank (vLLM-CPU wants it said)
     split = run_round(folder, tmp_path / "tp2.json", settings, {"tensor_parallel_size": 2},
                       {"VLLM_CPU_OMP_THREADS_BIND": bind})
     whole = run_round(folder, tmp_path / "tp1.json", settings)

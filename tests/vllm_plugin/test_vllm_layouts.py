@@ -37,8 +37,17 @@ def test_flash_layout_reads_and_writes_what_flash_attention_sees(physical):
     assert layout.read(untouched.nonzero().flatten())[0].abs().sum() == 0  # nothing else written
 
 
+def avx512() -> bool:
+    from tokendance.model.platform import cpu_flags
+
+    return "avx512f" in cpu_flags()
+
+
+AMX_WRITE = pytest.mark.skipif(not avx512(), reason="vLLM-CPU builds its AMX write op for AVX-512 CPUs")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
+@pytest.mark.parametrize("isa", ["vec", "vec16", pytest.param("amx", marks=AMX_WRITE)])
 def test_cpu_layout_reads_and_writes_as_vllms_cpu_write_op(isa, dtype):
     """Every ISA vLLM-CPU's write op serves, the AMX-packed bf16 cache included (its write op runs
     on any x86 CPU; only its attention needs AMX): the probed layout reads what the op wrote, and
@@ -63,6 +72,7 @@ def test_cpu_layout_reads_and_writes_as_vllms_cpu_write_op(isa, dtype):
     assert torch.equal(again, cache)
 
 
+@AMX_WRITE
 def test_the_amx_packed_bf16_cache_is_laid_out_unlike_the_vec_one():
     """The probe learns a layout, it does not assume one: bf16 keys under AMX are packed in pairs
     of dims, so reading that cache as `vec` would be wrong."""
@@ -72,6 +82,7 @@ def test_the_amx_packed_bf16_cache_is_laid_out_unlike_the_vec_one():
     amx = probe_cpu_regions("amx", torch.bfloat16, 32, HEADS, DIM)
     vec = probe_cpu_regions("vec", torch.bfloat16, 32, HEADS, DIM)
     assert amx[0] != vec[0] and amx[0].dim[-1] == (2, 1)  # two dims side by side
+    assert probe_cpu_regions("vec", torch.bfloat16, 256, HEADS, DIM) is not None  # codes up to 256: exact
     assert probe_cpu_regions("vec", torch.bfloat16, 512, HEADS, DIM) is None  # codes past bf16's exact integers
 
 

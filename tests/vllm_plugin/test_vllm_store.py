@@ -232,3 +232,20 @@ def test_a_mirror_claims_its_evicted_history_back_from_the_store():
         assert m.store_entry == f"{m.request_id}-1" and m.session_blocks == []
     assert counters["restored_tokens"] == sum(len(ids) + 2 for ids in first.values())
     assert counters.get("computed_tokens.history", 0) == len(second)  # each agent's last said token: no KV
+
+
+def test_a_piece_counts_as_computed_only_where_the_member_neither_held_nor_copied_it():
+    """A member's pieces, as its save marks them: those under vLLM's prefix hit (its history, held
+    from its previous turn) and those its loads copied are not computed, the others are; pieces
+    past what it saved are left out. (Marking held history as computed would cut a copied piece's
+    recomputed rows down to the ratio's share.)"""
+    from tokendance.vllm_plugin.plan import ReusedSpan
+    from tokendance.vllm_plugin.rounds import Piece
+    from tokendance.vllm_plugin.scheduler_side import pieces_to_save
+
+    pieces = [Piece(s, s + 10, b"k%d" % s) for s in range(0, 60, 10)]
+    loads = [ReusedSpan(30, 10, [1], 5)]
+    saved = pieces_to_save(pieces, 55, hit=15, loads=loads)
+    assert [(key, computed) for key, _, _, computed in saved] == [
+        (b"k0", False), (b"k10", False), (b"k20", True), (b"k30", False), (b"k40", True)]
+    assert [computed for *_, computed in pieces_to_save(pieces, 60, hit=0, loads=[])] == [True] * 6

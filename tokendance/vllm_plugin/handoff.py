@@ -25,7 +25,7 @@ def runner_classes() -> list[type]:
     for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.cpu_model_runner"):
         try:
             imported = importlib.import_module(module)
-        except ImportError:  # a build without it
+        except Exception:  # a build without it, or one whose import fails here (e.g. no GPU libraries)
             continue
         classes.append(imported.CPUModelRunner if module.endswith("cpu_model_runner") else imported.GPUModelRunner)
     return classes

@@ -115,7 +115,7 @@ def probe_cpu_regions(isa: str, dtype: torch.dtype, block_size: int, num_heads: 
     from vllm import _custom_ops as ops
 
     shape = (block_size, num_heads, head_size)
-    if max(shape) >= 2 / torch.finfo(dtype).eps:  # past that, codes are not exact integers
+    if max(shape) > 2 / torch.finfo(dtype).eps:  # past that, codes (1 to max(shape)) are not exact integers
         return None
     scratch = torch.zeros(2, num_heads, block_size, 2 * head_size, dtype=dtype)
     key_cache, value_cache = scratch.view(2, num_heads, 2 * block_size, head_size).chunk(2, dim=2)
@@ -135,13 +135,15 @@ def probe_cpu_regions(isa: str, dtype: torch.dtype, block_size: int, num_heads: 
         where = (at[0] >= 0).nonzero().flatten()
         if where.numel() != math.prod(shape):
             return None
-        position = torch.empty(shape, dtype=torch.long)
+        position = torch.full(shape, -1, dtype=torch.long)
         position[at[0][where], at[1][where], at[2][where]] = where
         base = int(position[0, 0, 0])
+        if (position < 0).any() or int(position.min()) != base:  # a coordinate never written; or not from base up
+            return None
         axes = [(position[:, 0, 0] - base).tolist(), (position[0, :, 0] - base).tolist(),
                 (position[0, 0, :] - base).tolist()]
         digits = [_digits(axis) if len(axis) > 1 else ((1, 0),) for axis in axes]
-        if None in digits:
+        if None in digits or any(stride < 0 for axis in digits for _, stride in axis):
             return None
         region = Region(base, *digits)
         rebuilt = region.view(torch.arange(scratch[0].numel()).view(1, -1))[0].reshape(shape)
