@@ -108,6 +108,7 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(replicas):
                            if k.startswith("tokendance_engine_running_requests")) == 0, timeout=60)
 
 
+@pytest.mark.slow  # ~40 s of killing and Ray's restart (make test-slow)
 def test_a_replica_killed_mid_round_fails_nobody_silently(replicas):
     listed = json.loads(replicas.request("GET", "/v1/replicas")[2])["data"]
     assert len(listed) == 2 and all(r["healthy"] for r in listed)
