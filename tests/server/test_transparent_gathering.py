@@ -160,8 +160,10 @@ def call(middleware, body: dict, reply: dict) -> tuple[dict, int]:
         statuses = []
         messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
-        async def receive():
-            return messages.pop(0) if messages else {"type": "http.disconnect"}
+        async def receive():  # the body, then nothing until the client leaves (as a server's)
+            if messages:
+                return messages.pop(0)
+            await asyncio.Event().wait()
 
         async def send(message):
             if message["type"] == "http.response.start":
@@ -187,6 +189,47 @@ def test_the_middleware_learns_replies_and_tags_the_rounds_it_gathers():
     assert "cache_salt" not in received and "round_id" not in received
     bad, status = call(middleware, {**turn("Viktor", [1, 0]), "agent_id": ""}, {"choices": []})
     assert status == 400 and bad == {}  # refused before it waits
+
+
+def test_a_held_request_whose_client_leaves_is_never_sent_and_its_round_forms_without_it():
+    """Three chats quote the same replies; one client leaves while held: it never reaches vLLM, and
+    the other two form a round of two (none waits for a member that will never come)."""
+    gathering = Gathering(window_s=0.05, round_timeout_s=1.0)
+    for said in SAID:
+        gathering.replies.add(said)
+    middleware = RoundFields(None, endpoint=Endpoint(gathering))
+    received = []
+
+    async def app(scope, receive, send):
+        received.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def client(body: dict, leave_after: float | None):
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            if leave_after is not None:
+                await asyncio.sleep(leave_after)
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()
+
+        async def send(message):
+            pass
+        await middleware({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive, send)
+
+    async def run():
+        middleware.app = app
+        await asyncio.gather(client(turn("Abigail", [0, 1, 2]), None), client(turn("Viktor", [1, 2, 0]), 0.01),
+                             client(turn("Hana", [2, 0, 1]), None))
+    asyncio.run(run())
+    assert [r["messages"][0]["content"] for r in received] == ["You are Abigail, who lives in Willow Creek.",
+                                                                "You are Hana, who lives in Willow Creek."]
+    tags = [r["kv_transfer_params"]["tokendance"] for r in received]
+    assert [t["round_size"] for t in tags] == [2, 2] and tags[0]["round_id"] == tags[1]["round_id"]
+    assert gathering.counts == {"left": 1, "member": 2, "rounds": 1} and len(gathering.gatherer) == 0
 
 
 def test_the_setting_is_read_from_vllms_transfer_config():

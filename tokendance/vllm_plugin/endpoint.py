@@ -177,7 +177,9 @@ class RoundFields:
             try:
                 if gathering is not None and gathering.may_join(body):
                     tag_body(dict(body))  # a malformed field is refused before the request waits
-                    admitted = await gathering.admit(body)
+                    admitted = await until_disconnected(receive, gathering.admit(body))
+                    if admitted is None:  # its client left while it was held: it left its round before it formed
+                        return
                     if admitted is not body:  # a round member, tagged by the gathering
                         raw, body = json.dumps(admitted).encode(), {}
                 if any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body:
@@ -200,14 +202,15 @@ class RoundFields:
         return await self.app(scope, replay, send)
 
 
-async def until_disconnected(request: Request, work):
-    """`work`'s answer, or None once the client has left: its agents' requests are then cancelled
-    (the loopback connections close, and vLLM aborts a request whose client is gone). The body has
-    been read, so what the client sends next can only be its disconnect."""
+async def until_disconnected(receive, work):
+    """`work`'s answer, or None once the client has left (`receive`: the request's ASGI receive):
+    `work` is then cancelled (a held chat leaves the gathering; a round's agents' loopback
+    connections close, and vLLM aborts a request whose client is gone). The body has been read, so
+    what the client sends next can only be its disconnect."""
     task = asyncio.ensure_future(work)
 
     async def left() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     watch = asyncio.ensure_future(left())
@@ -248,7 +251,8 @@ def transparent_counter():
 
         _TRANSPARENT_COUNTER = Counter("vllm:tokendance_transparent_requests",
                                        "transparent rounds: chat requests by outcome (passed: not held; member; "
-                                       "alone: held, no round), and rounds formed (outcome rounds)", ["outcome"])
+                                       "alone: held, no round; left: its client left while held), and rounds "
+                                       "formed (outcome rounds)", ["outcome"])
     return _TRANSPARENT_COUNTER
 
 
@@ -275,7 +279,7 @@ class RoundsEndpoint:
                 requests = round_requests(body)
             except FieldError as exc:
                 return JSONResponse(json.loads(error_body(str(exc), exc.param)), status_code=400)
-            return await until_disconnected(request, self._run_round(body, requests, request.headers.get("authorization")))
+            return await until_disconnected(request.receive, self._run_round(body, requests, request.headers.get("authorization")))
 
     async def init_state(self, engine_client, state, args) -> None:
         host = getattr(args, "host", None) or "127.0.0.1"

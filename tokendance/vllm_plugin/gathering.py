@@ -160,7 +160,7 @@ class Gathering:
     """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
     candidate until its round forms and returns the body to send on (a member's with its tag for
     the connector, in `kv_transfer_params.tokendance`); `replies` learns what the server answered.
-    `counts`: requests by outcome (passed, member, alone) and rounds formed."""
+    `counts`: requests by outcome (passed, member, alone, left while held) and rounds formed."""
 
     def __init__(self, window_s: float, round_timeout_s: float, metric=None):
         self.gatherer = RoundGatherer(window_s, round_timeout_s)
@@ -198,8 +198,9 @@ class Gathering:
         try:
             return await future
         finally:
-            if self._waiting.pop(key, None) is not None:  # cancelled while waiting
+            if self._waiting.pop(key, None) is not None:  # cancelled while waiting (its client left)
                 self.gatherer.remove(key)
+                self._count("left")
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
