@@ -153,6 +153,7 @@ def main() -> int:
         row["store_mb_per_agent"] = (end.get("tokendance_store_bytes", 0) / MB / end["tokendance_store_agents"]
                                      if end.get("tokendance_store_agents") else None)
         row["store_agents"] = end.get("tokendance_store_agents")
+        row["store_evictions"] = int(end.get("tokendance_store_evictions", 0) - start.get("tokendance_store_evictions", 0))
         restored = end.get("tokendance_restored_tokens", 0) - start.get("tokendance_restored_tokens", 0)
         row["restore_us_per_token"] = ((end.get("tokendance_pass_seconds.restore", 0) - start.get(
             "tokendance_pass_seconds.restore", 0)) / restored * 1e6 if restored else None)
