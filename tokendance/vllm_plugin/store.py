@@ -250,9 +250,6 @@ class SaveOrder:
     recompute_ratio: float | None = None  # the agent's (None: the connector's): what a piece it computed keeps
 
 
-STALE_STEPS = 4  # steps the index waits for the workers' report of a drop's bytes before evicting anyway
-
-
 class StoreIndex:
     """The scheduler's view of the store: one current entry per agent ((namespace, agent id)),
     older entries kept while a claim reads them, least recently used first out."""
@@ -268,7 +265,6 @@ class StoreIndex:
         self.sending: set[str] = set()  # saves sent, not reported done
         self.total_bytes = 0  # as the workers last reported (plus estimates of saves not reported)
         self.ratio = 1.0  # the store's bytes over the dense bytes of what it holds, as last reported
-        self.unreported_drops = 0  # steps since drops (or closes) went to the workers, not yet reported
         self.counters: dict[str, int] = {}
 
     def save(self, agent: tuple[str, str], salt: str | None, token_ids: list[int], block_ids: list[int],
@@ -308,15 +304,8 @@ class StoreIndex:
 
     def take_orders(self) -> tuple[list[SaveOrder], list[str], list[int]]:
         """What the workers do this step: save, then forget entries (evicted or replaced), then
-        close rounds. No eviction while the workers have not reported what the last drops and
-        closes freed (an entry's own bytes are known here, the masters freed with the last entry
-        or round reading them are not: evicting on the stale total would evict agents the budget
-        holds, and in a simulation the least recently used agent is the next to act); at most
-        `STALE_STEPS` steps."""
-        if not self.unreported_drops or self.unreported_drops > STALE_STEPS:
-            self._evict()
-        if self.drops or self.closes or self.unreported_drops:
-            self.unreported_drops += 1
+        close rounds."""
+        self._evict()
         orders, drops, closes = self.orders, self.drops, self.closes
         self.orders, self.drops, self.closes = [], [], []
         self.sending.update(order.entry for order in orders)
@@ -340,7 +329,6 @@ class StoreIndex:
             if entry in self.entries and nbytes >= 0:
                 self.entries[entry].nbytes = nbytes
         if total_bytes is not None:
-            self.unreported_drops = 0
             dense = sum(len(s.token_ids) for s in self.entries.values() if s.saved) * self.bytes_per_token
             self.ratio = min(1.0, total_bytes / dense) if dense else 1.0
             estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
