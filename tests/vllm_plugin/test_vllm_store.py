@@ -208,6 +208,20 @@ def test_the_index_evicts_least_recently_used_agents_to_its_budget_but_never_a_p
     assert index.find(("", "a"), "a") is None and index.take_orders()[1] == ["req-a2"]
 
 
+def test_a_save_not_reported_yet_counts_at_an_entrys_own_bytes_not_the_masters():
+    """Until the workers report a save, the index counts it at the saved entries' own bytes per
+    dense byte: the masters its agent reads are mostly held already. Counting it at the store's
+    whole bytes per dense byte (masters included, ~3x an entry's own at Generative Agents N=80)
+    evicted agents the budget held."""
+    index = StoreIndex(budget_bytes=10_000, bytes_per_token=10)
+    index.save(("", "a"), "a", list(range(100)), [1], [], entry="req-a")
+    assert index.entries["req-a"].nbytes == 1000  # nothing reported yet: dense
+    index.take_orders()
+    index.reported(["req-a"], {"req-a": 200}, total_bytes=800)  # its own rows 200, the masters it made 600
+    index.save(("", "b"), "b", list(range(50)), [2], [], entry="req-b")
+    assert index.entries["req-b"].nbytes == 100 and index.total_bytes == 900
+
+
 def test_a_mirror_claims_its_evicted_history_back_from_the_store():
     """Round 2 extends round 1: with the pool's blocks gone, every member's history past vLLM's hit
     (the master's too) is one exact span read from its agent's store entry (pinned by the

@@ -264,7 +264,11 @@ class StoreIndex:
         self.closes: list[int] = []  # rounds whose members are all finished (their saves sent first)
         self.sending: set[str] = set()  # saves sent, not reported done
         self.total_bytes = 0  # as the workers last reported (plus estimates of saves not reported)
-        self.ratio = 1.0  # the store's bytes over the dense bytes of what it holds, as last reported
+        # a saved entry's own bytes over its dense bytes, as last reported: what a save not reported
+        # yet counts at (the masters its agent reads are mostly held already; any it adds come
+        # with the next report; the store's whole bytes over dense, masters included, counted each
+        # pending save ~3x over and evicted agents the budget held)
+        self.ratio = 1.0
         self.counters: dict[str, int] = {}
 
     def save(self, agent: tuple[str, str], salt: str | None, token_ids: list[int], block_ids: list[int],
@@ -329,8 +333,9 @@ class StoreIndex:
             if entry in self.entries and nbytes >= 0:
                 self.entries[entry].nbytes = nbytes
         if total_bytes is not None:
-            dense = sum(len(s.token_ids) for s in self.entries.values() if s.saved) * self.bytes_per_token
-            self.ratio = min(1.0, total_bytes / dense) if dense else 1.0
+            saved = [s for s in self.entries.values() if s.saved]
+            dense = sum(len(s.token_ids) for s in saved) * self.bytes_per_token
+            self.ratio = min(1.0, sum(s.nbytes for s in saved) / dense) if dense else 1.0
             estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
             self.total_bytes = total_bytes + estimated
 
