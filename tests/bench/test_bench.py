@@ -69,7 +69,8 @@ def test_closed_loop_round_trip_in_every_mode(make_llm):
 
 def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
-    args = bench_args("--agents", "2", "--rounds", "2", "--modes", "prefix", "tokendance", "--max-tokens", "3",
+    args = bench_args("--workload", "fact-recall", "--agents", "2", "--rounds", "2", "--modes", "prefix", "tokendance",
+                      "--max-tokens", "3",
                       "--sweep-ratios", "0", "1", "--sweep-selections", "epic", "--sweep-agents", "2",
                       "--no-warm-up", "--out", str(out), "--plots", str(plots))  # fields, not times
     assert run_rounds(args) == 0
@@ -88,8 +89,8 @@ def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
     # bf16 (batches cut differently) an output may part from full's at a near tie, none further
     for row in (r for r in sweep if r["ratio"] == 1.0):
         assert row["fidelity"]["confident_divergences"] == 0 and row["fidelity"]["mean_kl"] < 0.005, row
-    assert (plots / "generative-agents-scaling.png").stat().st_size > 0
-    assert (plots / "generative-agents-fidelity.png").stat().st_size > 0
+    assert (plots / "fact-recall-scaling.png").stat().st_size > 0
+    assert (plots / "fact-recall-fidelity.png").stat().st_size > 0
 
 
 def test_capacity_trial_judges_memory(loaded_model):
@@ -166,6 +167,8 @@ def test_bench_drives_a_server_and_reads_its_kv(tmp_path, plain_server):
     assert [(r["agents"], r["round"]) for r in rows] == [(2, 1), (2, 2)]
     assert all(r["completion_tokens"] == 4 and r["prompt_tokens"] > 0 for r in rows)
     assert rows[1]["cached_tokens"] > 0  # the agents' sessions
+    # a reply's own decode lies inside the round, after the round's first token
+    assert all(0 <= r["reply_decode_seconds"] <= r["round_seconds"] - r["first_token_seconds"] for r in rows)
     block_bytes = 16 * int(kv_bytes(1))
     assert rows[1]["kv_peak_bytes"] >= block_bytes and rows[1]["kv_peak_bytes"] % block_bytes == 0
     # the same plots as the in-process modes', one line per server (benchmarks/scaling_plot.py)

@@ -264,6 +264,8 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
         "round_seconds": max(x.finished for x in replies) - started,
         "first_token_seconds": min(x.first_token for x in replies) - started,
         "prefill_seconds": max(x.first_token for x in replies) - started,
+        # a reply's own decode (first token to last), averaged: the tail without the round's spread
+        "reply_decode_seconds": sum(x.finished - x.first_token for x in replies) / len(replies),
         "prompt_tokens": sum(x.prompt_tokens for x in replies),
         "cached_tokens": sum(x.cached_tokens for x in replies),
         "completion_tokens": sum(x.completion_tokens for x in replies),
