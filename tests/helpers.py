@@ -30,13 +30,14 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 class Server:
     """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
 
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, warm_up: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()
+        # no warm-up rounds unless asked: a test's first requests compile what they use (no test reads times)
         command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", str(THREADS),
-                   *args]
+                   *([] if warm_up else ["--no-warm-up"]), *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 180
@@ -75,9 +76,10 @@ class Server:
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 5000) -> str:
         self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-5000:]
+        text = self.log.read().decode(errors="replace")
+        return text[-tail:] if tail else text
 
     def stop(self) -> None:
         self.process.terminate()
@@ -88,9 +90,9 @@ class Server:
             self.process.wait()
 
 
-def serving(*args: str, api_key: str | None = None):
+def serving(*args: str, api_key: str | None = None, warm_up: bool = False):
     """A fixture's body: a server for the fixture's scope, stopped after it."""
-    server = Server(*args, api_key=api_key)
+    server = Server(*args, api_key=api_key, warm_up=warm_up)
     yield server
     server.stop()
 

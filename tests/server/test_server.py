@@ -549,7 +549,7 @@ def test_a_round_agent_that_fails_fails_alone(server):
 
 
 def test_validation_is_linear_in_the_number_of_messages(server):
-    """3,000 short messages (15,000 tokens) are refused for the context window, and a chat of 600
+    """3,000 short messages (15,000 tokens) are refused for the context window, and a chat of 300
     messages is tokenized as `LLM.chat` does (message by message), not rendered once per prefix."""
     many = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(3000)]
     status, error = server.post("/v1/chat/completions", {**chat_body(server), "messages": many})
@@ -560,8 +560,8 @@ def test_validation_is_linear_in_the_number_of_messages(server):
         node = node["items"]
     status, error = server.post("/v1/chat/completions", {**chat_body(server), "guided_json": deep})
     assert status == 400 and error["error"]["param"] == "guided_json", error
-    status, reply = server.post("/v1/chat/completions", {**chat_body(server), "messages": many[:600]})
-    assert status == 200 and reply["usage"]["prompt_tokens"] > 3000, reply
+    status, reply = server.post("/v1/chat/completions", {**chat_body(server), "messages": many[:300], "max_tokens": 1})
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 1500, reply
 
 
 def test_api_key_required(guarded):
@@ -658,7 +658,7 @@ def test_round_larger_than_the_kv_pool_still_answers_every_agent(guarded):
     assert all(o["usage"]["prompt_tokens"] > 900 and o["finish_reason"] for o in body["outputs"])
 
 
-@pytest.mark.parametrize("num_requests,num_clients", [(200, 32), pytest.param(1000, 64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_requests,num_clients", [(100, 32), pytest.param(1000, 64, marks=pytest.mark.slow)])
 def test_load_from_concurrent_clients(server, num_requests, num_clients):
     """A mix of streamed and plain chats, completions and agent-like requests: every one answers,
     rounds form under load, and afterwards the pool and the sessions are back to where they were

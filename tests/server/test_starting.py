@@ -134,6 +134,13 @@ def capped(model_weights):
 LONG = [{"role": "user", "content": "Write a long story about a dragon who learns to sing."}]
 
 
+def test_a_server_warms_up_before_it_is_ready_unless_told_not_to(plain_server, capped):
+    warmed, cold = plain_server.output(tail=None), capped.output(tail=None)
+    assert "warming up (compiling the kernels)" in warmed and "ready in" in warmed
+    assert warmed.index("warming up") < warmed.index("ready in")
+    assert "ready in" in cold and "warming up" not in cold  # --no-warm-up
+
+
 def test_default_max_tokens_caps_requests_that_send_none(capped):
     client = capped.client()
     chat = client.chat.completions.create(model=capped.model, messages=LONG, temperature=0)

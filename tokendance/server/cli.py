@@ -56,6 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tool-call-format", default="auto", choices=["auto", *TOOL_CALL_FORMATS],
         help="how the model writes tool calls (auto: from its chat template; hermes: <tool_call> blocks, Qwen's and "
              "the generic one; llama3_json: Llama 3.1+ JSON calls; mistral: [TOOL_CALLS])")
+    add("--no-warm-up", dest="warm_up", action="store_false",
+        help="ready sooner: skip the two small warm-up rounds at start (the first clients' requests then pay "
+             "for compiling the kernels)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="server log level")
     add("--replicas", type=int, default=1,
@@ -141,8 +144,9 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
               f"503 until it is ready", flush=True)
         llm = LLM(**llm_args)
         loaded = time.perf_counter()
-        print(f"loaded in {loaded - started:.1f} s; warming up (compiling the kernels)", flush=True)
-        llm.warm_up()  # compile the kernels now, not on the first clients' round
+        if args.warm_up:
+            print(f"loaded in {loaded - started:.1f} s; warming up (compiling the kernels)", flush=True)
+            llm.warm_up()  # compile the kernels now, not on the first clients' round
         app = create_app(llm, server_config(args, args.served_model_name or llm.engine.model_name))
         _announce(args, llm, app.state.config, url, time.perf_counter() - started)
         return app

@@ -67,13 +67,14 @@ class KVAffinityRouter(RequestRouter):
 class EngineReplica:
     """One engine and the single-process app over it; `http` serves one request through it."""
 
-    def __init__(self, llm_args: dict, server_config):
+    def __init__(self, llm_args: dict, server_config, warm_up: bool = True):
         from tokendance import LLM
         from tokendance.server.app import create_app
 
         self.name = serve.get_replica_context().replica_id.unique_id
         llm = LLM(**llm_args)
-        llm.warm_up()
+        if warm_up:
+            llm.warm_up()
         server_config = dataclasses.replace(server_config, model_name=server_config.model_name or llm.engine.model_name)
         self.app = create_app(llm, server_config)
         self.loop = self.app.state.engine_loop
@@ -294,7 +295,7 @@ def run_replicas(args, llm_args: dict, server_config) -> int:
                  num_cpus=max(os.cpu_count() or 1, args.replicas * threads))
     serve.start(http_options={"host": args.host, "port": args.port})
     engine = EngineReplica.options(num_replicas=args.replicas,
-                                   ray_actor_options={"num_cpus": threads}).bind(llm_args, server_config)
+                                   ray_actor_options={"num_cpus": threads}).bind(llm_args, server_config, args.warm_up)
     serve.run(Ingress.bind(engine, server_config, args.replicas), name="tokendance", route_prefix="/")
     _wait_until_routable(args, server_config)
     print(f"serving {server_config.model_name or 'the model'} on {args.replicas} replicas ({threads} threads each) "
