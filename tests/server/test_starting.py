@@ -138,7 +138,7 @@ def test_a_server_warms_up_before_it_is_ready_unless_told_not_to(plain_server, c
     warmed, cold = plain_server.output(tail=None), capped.output(tail=None)
     assert "warming up (compiling the kernels)" in warmed and "ready in" in warmed
     assert warmed.index("warming up") < warmed.index("ready in")
-    assert "ready in" in cold and "warming up" not in cold  # --no-warm-up
+    assert "ready in" in cold and "warming up" not in cold and "--no-warm-up: the first requests" in cold
 
 
 def test_default_max_tokens_caps_requests_that_send_none(capped):

@@ -147,6 +147,9 @@ def _serve_one(args: argparse.Namespace, sock, llm_args: dict) -> int:
         if args.warm_up:
             print(f"loaded in {loaded - started:.1f} s; warming up (compiling the kernels)", flush=True)
             llm.warm_up()  # compile the kernels now, not on the first clients' round
+        else:
+            print(f"loaded in {loaded - started:.1f} s (--no-warm-up: the first requests compile the kernels)",
+                  flush=True)
         app = create_app(llm, server_config(args, args.served_model_name or llm.engine.model_name))
         _announce(args, llm, app.state.config, url, time.perf_counter() - started)
         return app
