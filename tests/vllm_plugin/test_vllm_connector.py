@@ -76,15 +76,15 @@ def test_recompute_ratio_one_gives_vllms_exact_tokens(vllm_llm):
 def test_in_round_anchors_compute_more_masters_and_stay_exact_at_ratio_one(vllm_llm):
     """Two anchors: two agents compute in full, the mirrors read the mean of both encodings (at
     ratio 0 every claimed token of a shared piece is read so), and at ratio 1.0 vLLM's own tokens."""
-    prompts = round_prompts(vllm_llm, 6, seed=4)
+    prompts = round_prompts(vllm_llm, 4, seed=4)
     exact = generate(vllm_llm, prompts, "anchorsref")
     blended = generate(vllm_llm, prompts, "anchors0", round_id=f"r{next(_ids)}", ratio=0.0, anchors=2)
-    assert sorted(roles(blended).values()) == ["master"] * 2 + ["mirror"] * 4
+    assert sorted(roles(blended).values()) == ["master"] * 2 + ["mirror"] * 2
     assert all(blended[a].kv_transfer_params["tokendance"]["claimed_tokens"] > 0
                for a, r in roles(blended).items() if r == "mirror")
     assert all(len(o.outputs[0].token_ids) > 0 for o in blended.values())
     reused = generate(vllm_llm, prompts, "anchors1", round_id=f"r{next(_ids)}", ratio=1.0, anchors=2)
-    assert sorted(roles(reused).values()) == ["master"] * 2 + ["mirror"] * 4
+    assert sorted(roles(reused).values()) == ["master"] * 2 + ["mirror"] * 2
     assert tokens(reused) == tokens(exact)
 
 
@@ -120,7 +120,7 @@ def test_a_history_vllm_evicted_is_restored_from_the_session_store(vllm_llm):
     tokens. The store's gauges show what it holds."""
     first = round_prompts(vllm_llm, 5, seed=6)
     one = generate(vllm_llm, first, "store", round_id=f"r{next(_ids)}", ratio=1.0)
-    flood = round_prompts(vllm_llm, 10, seed=7)
+    flood = round_prompts(vllm_llm, 6, seed=7)
     assert sum(map(len, flood.values())) > NUM_BLOCKS * BLOCK_SIZE  # more than the pool: LRU evicts all
     generate(vllm_llm, flood, "flood", max_tokens=1)
     said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
