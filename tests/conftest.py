@@ -57,11 +57,10 @@ def make_llm(loaded_model):
 
 @pytest.fixture(scope="session")
 def plain_server(model_weights):
-    """A `tokendance serve` process that forms no rounds by itself (no gather window), started as a
-    user starts one: warmed up before it is ready."""
+    """A `tokendance serve` process that forms no rounds by itself (no gather window)."""
     from tests.helpers import kv_bytes, serving
 
-    yield from serving("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(8736), warm_up=True)
+    yield from serving("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(8736))
 
 
 @pytest.fixture(scope="session")
