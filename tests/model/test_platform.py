@@ -13,7 +13,7 @@ import torch
 
 from tokendance import LLM, SamplingParams
 from tokendance.errors import InvalidRequestError
-from tokendance.model.linear import DenseLinear, PackedBF16Linear
+from tokendance.model.linear import DenseLinear, PackedBF16Linear, UpcastBF16Linear
 from tokendance.model.platform import CpuInfo, auto_kv_cache_bytes, cpu_flags, probe_cpu, resolve_dtype, warn_slow_bf16
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -66,16 +66,31 @@ def test_forced_no_native_bf16_loads_in_float32(no_native_bf16, loaded_model, ll
     assert llm.generate(prompt, GREEDY)[0].token_ids == llm_fp32.generate(prompt, GREEDY)[0].token_ids
 
 
-def test_explicit_bf16_without_native_support_runs_unpacked_and_warns_once(no_native_bf16, loaded_model, caplog):
+def test_explicit_bf16_without_native_support_runs_upcast_and_warns_once(no_native_bf16, loaded_model, caplog):
     with caplog.at_level(logging.WARNING, logger="tokendance"):
         first = LLM(loaded_model, dtype="bfloat16", kv_cache_bytes=64 * 2**20)
         LLM(loaded_model, dtype="bfloat16", kv_cache_bytes=64 * 2**20)
     warnings = [r for r in caplog.records if "without native bf16" in r.getMessage()]
     assert len(warnings) == 1
     assert first.engine.dtype == "bfloat16"
-    assert isinstance(first.engine.runner.model.linear, DenseLinear)
+    assert isinstance(first.engine.runner.model.linear, UpcastBF16Linear)
     (output,) = first.generate("The three primary colors are", GREEDY)
     assert output.num_generated_tokens == 8
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 40])
+def test_upcast_bf16_linear_rounds_as_a_bf16_gemm(rows):
+    """bf16 inputs, float32 products and sums, one bf16 rounding: within a bf16 unit in the last
+    place of the exact (float64) product of the same bf16 values, as a bf16 GEMM is; a weight over
+    2**19 elements a row (here up to 4 rows) stays in bf16."""
+    torch.manual_seed(rows)
+    x, small, big = torch.randn(rows, 576).bfloat16(), torch.randn(1536, 576).bfloat16(), torch.randn(2**18 + 8, 8).bfloat16()
+    for weight in (small, big):
+        got = UpcastBF16Linear()(x[:, :weight.shape[1]], weight)
+        exact = x[:, :weight.shape[1]].double() @ weight.double().T
+        assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+        ulp = exact.abs().clamp_min(1e-3) * 2.0**-7
+        assert ((got.double() - exact).abs() <= ulp).all()
 
 
 @pytest.mark.skipif(not probe_cpu().packed_bf16, reason="packed bf16: this CPU has no native bf16 (AVX512-BF16/AMX)")

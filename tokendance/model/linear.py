@@ -19,6 +19,21 @@ class DenseLinear:
         return F.linear(x, weight)
 
 
+class UpcastBF16Linear(DenseLinear):
+    """bf16 on a CPU without bf16 dot products (AVX2), where a bf16 GEMM is emulated: the rows times
+    the weight converted to float32 for the call, the result rounded back to bf16. The rounding is a
+    bf16 GEMM's (bf16 inputs, products exact in float32, float32 sums, a bf16 result) and the weights
+    stay bf16 in memory. Measured on AVX2 (one thread): 600 rows x 1536x576 in 11 ms against 54 ms,
+    32 rows in 0.73 against 2.87 ms. The conversion costs about a 2**19th of the weight per row saved,
+    so fewer rows (decode, the vocabulary's projection of a small batch) stay in bf16."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < 4 or rows * 2**19 < weight.numel():
+            return super().__call__(x, weight)
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
 class PackedBF16Linear:
     """bf16 on CPU: weights reordered once into oneDNN's blocked layout. An unpacked bf16 weight
     is reordered on every call; packing measured 1.4-1.6x faster from 1 to 512 rows, same results."""
@@ -56,8 +71,10 @@ class TiledLinear:
         return torch.cat(tiles)[:rows]
 
 
-def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool):
+def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool, native_bf16: bool = True):
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and dtype == torch.bfloat16 and packed_bf16:
         return PackedBF16Linear(max_batch_tokens)
+    if on_cpu and dtype == torch.bfloat16 and not native_bf16:
+        return UpcastBF16Linear()
     return DenseLinear()

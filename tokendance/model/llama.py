@@ -98,7 +98,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.batch_invariant = batch_invariant
-        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, cpu is not None and cpu.packed_bf16)
+        self.linear = choose_linear_kernel(dtype, device, max_batch_tokens, cpu is not None and cpu.packed_bf16,
+                                           cpu is None or cpu.native_bf16)
         if batch_invariant:
             self.linear = TiledLinear(self.linear)
 

@@ -2,8 +2,9 @@
 and how much memory is free. The engine picks its dtype, linear kernels and KV pool size from it.
 
 bf16 is only fast where the CPU has bf16 dot products (AVX512-BF16 or AMX): there oneDNN's packed
-bf16 weights measured 2-6x faster than fp32. On an AVX2-only CPU bf16 matmuls ran ~8x slower than
-fp32 and oneDNN refuses packed bf16 weights outright, so "auto" means float32 there.
+bf16 weights measured 2-6x faster than fp32. On an AVX2-only CPU bf16 GEMMs ran ~8x slower than
+fp32 and oneDNN refuses packed bf16 weights outright, so "auto" means float32 there (an explicit
+bf16 computes its products in float32: model/linear.py `UpcastBF16Linear`).
 
 `TOKENDANCE_NATIVE_BF16=0` forces the "no native bf16" answer (`=1` forces "yes"; packing is still
 probed). Running under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` simulates an AVX2-only
@@ -105,8 +106,9 @@ def resolve_dtype(requested: str, cpu: CpuInfo, device: str = "cpu") -> torch.dt
 @functools.cache
 def warn_slow_bf16(capability: str) -> None:
     logger.warning(
-        "dtype=bfloat16 on a CPU without native bf16 (%s): matmuls will be several times slower "
-        "than float32; use dtype='auto' or 'float32'", capability)
+        "dtype=bfloat16 on a CPU without native bf16 (%s): bf16 arithmetic is emulated (matrix "
+        "products run in float32 and are rounded), no faster than float32; dtype='auto' picks float32",
+        capability)
 
 
 def describe_machine(dtype: str, cpu: CpuInfo | None = None) -> dict:
