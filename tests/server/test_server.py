@@ -649,7 +649,7 @@ def test_round_larger_than_the_kv_pool_still_answers_every_agent(guarded):
     round in waves, and every agent's reply still reaches its client."""
     def notes(i: int) -> str:
         rng = random.Random(i)
-        return " ".join(f"w{rng.randint(0, 9999)}" for _ in range(400))
+        return " ".join(f"w{rng.randint(0, 9999)}" for _ in range(220))  # ~1,070 tokens
 
     agents = [{"agent_id": f"big{i}", "messages": [{"role": "user", "content": notes(i)}]} for i in range(3)]
     status, body = guarded.post("/v1/rounds", {"model": guarded.model, "agents": agents, "max_tokens": 2},
