@@ -95,11 +95,13 @@ def test_bench_writes_every_field_the_plots_use(tmp_path, model_weights):
 
 
 def test_capacity_trial_judges_memory(loaded_model):
-    roomy = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-cache-bytes", "256M", "--slo-seconds", "1e9")
+    debate = ("capacity", "--workload", "debate", "--rounds", "2", "--max-tokens", "3", "--slo-seconds", "1e9",
+              "--no-warm-up")
+    roomy = bench_args(*debate, "--kv-cache-bytes", "256M")
     trial = run_trial(loaded_model, "tokendance", 2, roomy)
     assert trial.fits and trial.preemptions == 0 and trial.evictions == 0 and len(trial.round_seconds) == 2
-    # two agents' prompts (~1,000 tokens each) cannot both stay resident in ~600 tokens of KV
-    tight = bench_args("capacity", "--rounds", "2", "--max-tokens", "3", "--kv-budget-mb", "14", "--slo-seconds", "1e9")
+    # two agents' round-2 prompts (~500 tokens each) cannot both stay resident in 300-600 tokens of KV
+    tight = bench_args(*debate, "--kv-budget-mb", "14")
     for mode in ("prefix", "tokendance"):
         trial = run_trial(loaded_model, mode, 2, tight)
         assert not trial.fits and trial.reason != "fits", mode

@@ -86,7 +86,8 @@ def run_trial(loaded, mode: str, num_agents: int, args) -> Trial:
     workload = make_workload(args.workload, num_agents, seed=args.seed, order=args.order)
     llm = LLM(loaded, dtype=args.dtype, reuse=mode, kv_cache_bytes=kv_bytes(args) or CAPACITY_KV_BYTES,
               recompute_ratio=args.ratio, selection=args.selection)
-    warm_up([llm])
+    if args.warm_up:  # a trial is timed against the SLO: compiled before its first round, unless told not to
+        warm_up([llm])
     evictions_before = llm.engine.stats().num_evictions
     trial = Trial(mode, num_agents, fits=False)
     simulation = Simulation(workload, {mode: llm}, closed_loop=False, max_tokens=args.max_tokens)
