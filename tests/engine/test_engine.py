@@ -17,6 +17,7 @@ from tokendance import (
     SamplingParams,
 )
 from tokendance.model.llama import KVCacheTensors
+from tokendance.model.loader import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SYSTEM = (
@@ -224,6 +225,9 @@ def test_gguf_header_reads_as_the_gguf_package_reads_it(model_weights, tmp_path)
         short.write_bytes(whole[:cut])
         with pytest.raises(ModelLoadError, match="could not be read as GGUF"):
             LLM(str(short))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="could not be read as GGUF"):  # the tokenizer alone: no path check first
+        load_tokenizer(tmp_path / "empty.gguf")
 
 
 def test_a_request_that_fails_in_a_step_fails_alone(make_llm, monkeypatch):

@@ -87,14 +87,17 @@ class _Header:
 
 def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     """(metadata key -> value, tensors in file order); raises `GGUFFormatError` on a file that is
-    not GGUF, is truncated, or names a tensor twice."""
+    not GGUF, is truncated, names a tensor twice, or holds a tensor of an unknown type or of rows
+    that are not whole quantization blocks."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    except ValueError as exc:  # numpy refuses to map an empty file
+        raise GGUFFormatError(str(exc)) from exc
     header = _Header(memoryview(mapped))
-    if bytes(mapped[:4]) != MAGIC:
+    if header.take("4s") != MAGIC:
         raise GGUFFormatError("bad magic bytes")
-    header.offset = 4
     version = header.take("<I")
     if version not in (2, 3):
         raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
@@ -120,8 +123,10 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
             block_size, type_size = GGML_QUANT_SIZES[kind]
         except (ValueError, KeyError) as exc:
             raise GGUFFormatError(f"tensor {name} has unknown type {kind}") from exc
+        if not dims or dims[0] % block_size:
+            raise GGUFFormatError(f"tensor {name}'s rows of {dims[:1]} elements are not whole blocks of {block_size}")
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        row_bytes = dims[0] // block_size * type_size if dims else type_size
+        row_bytes = dims[0] // block_size * type_size
         begin = start + offset
         if begin + rows * row_bytes > len(mapped):
             raise GGUFFormatError(f"tensor {name}'s data runs past the end of the file")

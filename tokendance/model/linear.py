@@ -71,7 +71,7 @@ class TiledLinear:
         return torch.cat(tiles)[:rows]
 
 
-def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool, native_bf16: bool = True):
+def choose_linear_kernel(dtype, device, max_batch_tokens: int, packed_bf16: bool, native_bf16: bool):
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and dtype == torch.bfloat16 and packed_bf16:
         return PackedBF16Linear(max_batch_tokens)
