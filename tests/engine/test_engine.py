@@ -16,7 +16,7 @@ from tokendance import (
     ModelLoadError,
     SamplingParams,
 )
-from tokendance.model.llama import KVCacheTensors
+from tokendance.model.llama import KVCacheTensors, LlamaModel
 from tokendance.model.loader import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -201,6 +201,22 @@ def test_unknown_or_invalid_model_paths_name_the_problem(tmp_path):
         LLM(str(gpt2))
     with pytest.raises(InvalidRequestError, match="unknown engine arguments"):
         LLM(kv_cache_size=5)
+
+
+def test_engines_built_from_one_loaded_model_share_its_prepared_weights(loaded_model):
+    """The fused and packed weights are made once per dtype and kernel, not once per engine, and
+    are what a model that made its own computes with."""
+    first, second = LLM(loaded_model, dtype="float32"), LLM(loaded_model, dtype="float32")
+    layers = [llm.engine.runner.model.layers[3] for llm in (first, second)]
+    assert layers[0] is layers[1] and first.engine.runner.model.lm_head is second.engine.runner.model.lm_head
+    own = LlamaModel(loaded_model.config, loaded_model.weights, torch.float32, "cpu")
+    assert own.layers[3] is not layers[0]
+    for name in ("qkv", "out", "gate_up", "down", "input_norm"):
+        assert torch.equal(getattr(own.layers[3], name), getattr(layers[0], name)), name
+    other = LLM(loaded_model, dtype="bfloat16").engine.runner.model
+    assert other.layers[3] is not layers[0] and other.embed_tokens.dtype == torch.bfloat16
+    assert [o.token_ids for o in second.generate(CHAT_QUESTIONS[:2], SamplingParams(temperature=0, max_tokens=4))] == \
+        [o.token_ids for o in LLM(loaded_model, dtype="float32").generate(CHAT_QUESTIONS[:2], SamplingParams(temperature=0, max_tokens=4))]
 
 
 def test_gguf_header_reads_as_the_gguf_package_reads_it(model_weights, tmp_path):

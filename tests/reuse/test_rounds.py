@@ -215,13 +215,24 @@ def test_bad_rounds_are_rejected_and_nothing_leaks(make_llm):
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in reference.outputs]
 
 
-@pytest.mark.parametrize("mode", ["pic", "tokendance"])
-def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode):
+@pytest.fixture(scope="module")
+def long_round(make_llm):
+    """`round_turns(3)` and full prefill's outputs of it (the waves tests' reference)."""
     turns = round_turns(3)
-    reference = make_llm(dtype="float32", reuse="full").run_round(turns, PARAMS)
+    return turns, make_llm(dtype="float32", reuse="full").run_round(turns, PARAMS)
+
+
+def pool_of_two_and_a_half(reference) -> int:
+    """A KV pool holding 2.6 of the longest agent's tables (prompt and reply) of `reference`."""
     longest = max(len(o.prompt_token_ids) for o in reference.outputs) + PARAMS.max_tokens
     bytes_per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads x 64, float32
-    llm = make_llm(dtype="float32", reuse=mode, recompute_ratio=1.0, kv_cache_bytes=int(2.6 * longest * bytes_per_token))
+    return int(2.6 * longest * bytes_per_token)
+
+
+@pytest.mark.parametrize("mode", ["pic", "tokendance"])
+def test_a_round_too_large_for_the_pool_runs_in_waves(make_llm, mode, long_round):
+    turns, reference = long_round
+    llm = make_llm(dtype="float32", reuse=mode, recompute_ratio=1.0, kv_cache_bytes=pool_of_two_and_a_half(reference))
     result = llm.run_round(turns, PARAMS)  # four agents' tables cannot be held at once
     assert result.stats.num_waves > 1 and result.stats.num_agents == len(AGENTS)
     assert [o.agent_id for o in result.outputs] == AGENTS
@@ -248,16 +259,13 @@ def test_a_queued_round_whose_agents_all_left_ends_aborted(make_llm):
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
-def test_a_round_in_waves_whose_client_left_stops_and_keeps_nothing(make_llm):
+def test_a_round_in_waves_whose_client_left_stops_and_keeps_nothing(make_llm, long_round):
     """A /v1/rounds client leaving a round that runs in waves, after its first wave finished: the
     engine ends every agent (none got its reply) and aborts them; the round stops within a step
     (its later waves never start) and keeps no session, not even of the agents that had finished."""
-    turns = round_turns(3)
-    probe = make_llm(dtype="float32")
-    longest = max(len(probe.tokenizer.encode(probe.render_chat(t.messages))) for t in turns) + PARAMS.max_tokens
-    bytes_per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads x 64, float32
+    turns, reference = long_round
     llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=1.0,
-                   kv_cache_bytes=int(2.6 * longest * bytes_per_token))  # four tables do not fit at once
+                   kv_cache_bytes=pool_of_two_and_a_half(reference))  # four tables do not fit at once
     job = llm.rounds.submit(turns, PARAMS)
     while not llm.rounds.sessions() and not job.done:  # until the first wave ended and kept its sessions
         llm.engine.step()

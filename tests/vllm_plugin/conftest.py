@@ -14,6 +14,16 @@ import pytest
 BLOCK_SIZE = 32
 CHUNK = 256
 NUM_BLOCKS = 160  # 5,120 tokens: a round of 9 agents does not fit at once
+# Generative Agents' rounds with 8-12 retrieved memory lines per agent, not the workload's 30-45:
+# prompts of about 500 tokens instead of 900 (still longer than a prefill chunk), whose shared
+# messages (the agents' utterances) are the workload's own. A pool-sized round asks for FULL_MEMORIES.
+SHORT_MEMORIES, FULL_MEMORIES = (8, 12), (30, 45)
+
+
+def generative_agents(num_agents: int, seed: int, memory_lines: tuple[int, int] = SHORT_MEMORIES):
+    from tokendance.workloads.generative_agents import GenerativeAgents
+
+    return GenerativeAgents(num_agents, seed=seed, memory_lines=memory_lines)
 
 
 def pytest_collection_modifyitems(items):

@@ -9,21 +9,21 @@ import re
 
 import pytest
 
-from tests.vllm_plugin.conftest import BLOCK_SIZE, CHUNK, NUM_BLOCKS
+from tests.vllm_plugin.conftest import BLOCK_SIZE, CHUNK, FULL_MEMORIES, NUM_BLOCKS, SHORT_MEMORIES, generative_agents
 
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from tokendance.workloads import make_workload  # noqa: E402
 
 _ids = itertools.count()
 
 
-def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed: int = 0):
+def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed: int = 0,
+                  memory_lines=SHORT_MEMORIES):
     """The Generative Agents workload's prompts, rendered by the model's chat template as vLLM's
     chat endpoint renders them: {agent: token ids}."""
-    workload = make_workload("generative-agents", num_agents, seed=seed)
+    workload = generative_agents(num_agents, seed, memory_lines)
     tokenizer = llm.get_tokenizer()
     feed = history or [workload.synthetic_outputs(i) for i in range(round_index)]
     return {t.agent_id: list(tokenizer.apply_chat_template(list(t.messages), add_generation_prompt=True,
@@ -62,14 +62,14 @@ def tokens(outputs) -> dict:
 def test_recompute_ratio_one_gives_vllms_exact_tokens(vllm_llm):
     """Every claimed token recomputed in the mirror's context: vLLM's greedy output, token for
     token, while the mirrors' prompts (longer than a prefill chunk) were claimed by the connector."""
-    prompts = round_prompts(vllm_llm, 6)
+    prompts = round_prompts(vllm_llm, 4)
     assert min(len(ids) for ids in prompts.values()) > CHUNK
     reused = generate(vllm_llm, prompts, "exact1", round_id=f"r{next(_ids)}", ratio=1.0)
     exact = generate(vllm_llm, prompts, "ref1")
-    assert sorted(roles(reused).values()) == ["master"] + ["mirror"] * 5
+    assert sorted(roles(reused).values()) == ["master"] + ["mirror"] * 3
     assert all(roles(exact)[a] is None for a in prompts)
     claimed = [reused[a].kv_transfer_params["tokendance"]["claimed_tokens"] for a in prompts]
-    assert sum(c > 0 for c in claimed) == 5
+    assert sum(c > 0 for c in claimed) == 3
     assert tokens(reused) == tokens(exact)
 
 
@@ -120,7 +120,7 @@ def test_a_history_vllm_evicted_is_restored_from_the_session_store(vllm_llm):
     tokens. The store's gauges show what it holds."""
     first = round_prompts(vllm_llm, 4, seed=6)
     one = generate(vllm_llm, first, "store", round_id=f"r{next(_ids)}", ratio=1.0)
-    flood = round_prompts(vllm_llm, 6, seed=7)
+    flood = round_prompts(vllm_llm, 6, seed=7, memory_lines=FULL_MEMORIES)
     assert sum(map(len, flood.values())) > NUM_BLOCKS * BLOCK_SIZE  # more than the pool: LRU evicts all
     generate(vllm_llm, flood, "flood", max_tokens=1)
     said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
@@ -280,7 +280,7 @@ def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
 def test_a_round_larger_than_the_pool_preempts_and_stays_exact(vllm_llm):
     """9 agents do not fit in the pool at once: vLLM preempts (mirrors included) and the round
     still gives vLLM's exact tokens at ratio 1.0."""
-    prompts = round_prompts(vllm_llm, 9, seed=5)
+    prompts = round_prompts(vllm_llm, 9, seed=5, memory_lines=FULL_MEMORIES)
     before = preemptions(vllm_llm)
     reused = generate(vllm_llm, prompts, "big", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=64, ignore_eos=True)
     assert preemptions(vllm_llm) > before

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 import openai  # noqa: E402
 
-from tokendance.workloads import make_workload  # noqa: E402
+from tests.vllm_plugin.conftest import generative_agents  # noqa: E402
 
 MODEL = "smollm2"
 
@@ -77,7 +77,7 @@ def prometheus(client) -> dict[str, float]:
 
 
 def agents(num: int, seed: int) -> list[dict]:
-    workload = make_workload("generative-agents", num, seed=seed)
+    workload = generative_agents(num, seed)
     return [{"agent_id": t.agent_id, "messages": list(t.messages)} for t in workload.turns(0, [])]
 
 
@@ -123,7 +123,7 @@ def test_undeclared_requests_quoting_the_last_rounds_replies_form_a_round(server
     quote the previous round's replies at different positions are gathered into one round (the
     endpoint's counters and the connector's), their mirrors reuse, and at ratio 1.0 they answer
     what plain chat answers; requests quoting nothing pass without waiting."""
-    workload = make_workload("generative-agents", 4, seed=14)
+    workload = generative_agents(4, 14)
     first = workload.turns(0, [])
     members, passed = 'vllm:tokendance_transparent_requests_total{outcome="member"}', \
         'vllm:tokendance_transparent_requests_total{outcome="passed"}'

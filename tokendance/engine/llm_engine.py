@@ -76,7 +76,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_model_len, loaded.config.max_model_len)
         self.dtype = str(dtype).removeprefix("torch.")
         model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, config.max_num_batched_tokens,
-                           cpu=self.cpu, batch_invariant=config.batch_invariant)
+                           cpu=self.cpu, batch_invariant=config.batch_invariant, prepared=loaded.prepared)
         self.bytes_per_block = KVCacheTensors.bytes_per_slot(loaded.config, dtype) * config.block_size
         self.kv_cache_bytes = auto_kv_cache_bytes() if config.kv_cache_bytes == "auto" else config.kv_cache_bytes
         num_blocks = self.kv_cache_bytes // self.bytes_per_block

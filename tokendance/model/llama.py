@@ -90,6 +90,7 @@ class LlamaModel:
         max_batch_tokens: int = 2048,
         cpu: CpuInfo | None = None,
         batch_invariant: bool = False,
+        prepared: dict | None = None,
     ):
         """`cpu`: what the CPU offers (model/platform.py), which picks the linear and attention
         kernels (None: the portable ones). `batch_invariant`: each row's result does not depend on
@@ -102,6 +103,43 @@ class LlamaModel:
                                            cpu is None or cpu.native_bf16)
         if batch_invariant:
             self.linear = TiledLinear(self.linear)
+        # `prepared`: where models built from the same `weights` keep what they computed from them
+        # (a fused or packed copy costs 0.1 s and the model's size again per engine, otherwise).
+        kernel = getattr(self.linear, "inner", self.linear)
+        key = (dtype, str(device), type(kernel).__name__, getattr(kernel, "batch_hint", None))
+        if prepared is not None and key in prepared:
+            self.embed_tokens, self.layers, self.norm, self.lm_head = prepared[key]
+        else:
+            self._prepare(config, weights, dtype, device)
+            if prepared is not None:
+                prepared[key] = (self.embed_tokens, self.layers, self.norm, self.lm_head)
+        self.cos, self.sin = rope_tables(config, device)
+        # Rotations by any shift in (-max_len, max_len), per rotary pair, contiguous: gathered
+        # once per step for shared keys (a contiguous table measured 2x faster to gather).
+        self.max_shift = config.max_model_len - 1
+        shifts = torch.arange(-self.max_shift, self.max_shift + 1, dtype=torch.float32)
+        # A pure rotation: the YaRN factor on cos/sin is already in the stored keys.
+        angles = torch.outer(shifts, rope_inverse_frequencies(config))[:, None, :]  # [2L-1, 1, D/2]
+        self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
+        fits = kernels.supports(config.num_kv_heads, config.num_heads, config.head_dim)
+        if not fits:
+            logger.info("the paged decode kernel takes at most %d KV heads, %d queries per KV head and head size %d: "
+                        "decode attention of this model (%d KV heads, %d heads, head size %d) runs in eager ops",
+                        kernels.MAX_KV_HEADS, kernels.MAX_GROUP, kernels.MAX_DIM, config.num_kv_heads,
+                        config.num_heads, config.head_dim)
+        on_cpu = torch.device(device).type == "cpu"
+        self.attention = AttentionKernels(
+            FusedKeyReader(),
+            decode=PagedDecodeKernel.load(self.shift_cos, self.shift_sin, self.max_shift) if on_cpu and fits else None,
+            prefill=PrefillKernel.load(dtype, config.head_dim, self.shift_cos, self.shift_sin, self.max_shift)
+            if on_cpu and cpu is not None and cpu.prefers_prefill_kernel else None,
+        )
+        self.decode_reads = DecodeReads()
+        fused = on_cpu and kernels.pointwise_fits(dtype, config.head_dim)
+        self.pointwise = Pointwise(kernels.load_pointwise() if fused else None, self.cos, self.sin, self.dtype)
+
+    def _prepare(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device) -> None:
+        """The weights cast to `dtype` on `device`, q/k/v and gate/up fused, packed for the linear kernel."""
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -135,30 +173,6 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = packed(self.embed_tokens if tied else w("lm_head.weight"))
-        self.cos, self.sin = rope_tables(config, device)
-        # Rotations by any shift in (-max_len, max_len), per rotary pair, contiguous: gathered
-        # once per step for shared keys (a contiguous table measured 2x faster to gather).
-        self.max_shift = config.max_model_len - 1
-        shifts = torch.arange(-self.max_shift, self.max_shift + 1, dtype=torch.float32)
-        # A pure rotation: the YaRN factor on cos/sin is already in the stored keys.
-        angles = torch.outer(shifts, rope_inverse_frequencies(config))[:, None, :]  # [2L-1, 1, D/2]
-        self.shift_cos, self.shift_sin = angles.cos().to(device), angles.sin().to(device)
-        fits = kernels.supports(config.num_kv_heads, config.num_heads, config.head_dim)
-        if not fits:
-            logger.info("the paged decode kernel takes at most %d KV heads, %d queries per KV head and head size %d: "
-                        "decode attention of this model (%d KV heads, %d heads, head size %d) runs in eager ops",
-                        kernels.MAX_KV_HEADS, kernels.MAX_GROUP, kernels.MAX_DIM, config.num_kv_heads,
-                        config.num_heads, config.head_dim)
-        on_cpu = torch.device(device).type == "cpu"
-        self.attention = AttentionKernels(
-            FusedKeyReader(),
-            decode=PagedDecodeKernel.load(self.shift_cos, self.shift_sin, self.max_shift) if on_cpu and fits else None,
-            prefill=PrefillKernel.load(dtype, config.head_dim, self.shift_cos, self.shift_sin, self.max_shift)
-            if on_cpu and cpu is not None and cpu.prefers_prefill_kernel else None,
-        )
-        self.decode_reads = DecodeReads()
-        fused = on_cpu and kernels.pointwise_fits(dtype, config.head_dim)
-        self.pointwise = Pointwise(kernels.load_pointwise() if fused else None, self.cos, self.sin, self.dtype)
 
     def forward(
         self,

@@ -63,6 +63,9 @@ class LoadedModel:
     tokenizer: ChatTokenizer
     name: str
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # from generation_config.json
+    # The weights as a model computes with them (cast, fused, packed), per dtype, device and kernel:
+    # engines built from this model share one copy (llama.py `LlamaModel`).
+    prepared: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def default_model_path() -> Path:
