@@ -59,8 +59,8 @@ demo: $(STAMP)
 
 # The two environments are built side by side (pip waits on the network and the disk: 103 s
 # instead of 137 s one after the other). pip compiles every module to bytecode as it installs; with
-# `--no-compile` they were built in 61 s, but where PYTHONDONTWRITEBYTECODE is set, as where this was measured,
-# every process then compiled what it imported (vLLM's import 16 s instead of 9.5-11 s).
+# `--no-compile` both were built in 61 s, but where PYTHONDONTWRITEBYTECODE is set (as where this
+# was measured) every process then compiled what it imported: vLLM's import took 16 s, not 9.5-11.
 test:
 	$(MAKE) -j2 $(STAMP) $(VSTAMP)
 	$(PY) -m pytest -q $(WORKERS) $(DURATIONS)

@@ -95,7 +95,8 @@ def write_plots(args, results: dict, agent_counts: list[int]) -> None:
 
 
 def make_engines(loaded, workload, variants: dict[str, dict], args, warm: bool = True) -> dict[str, LLM]:
-    """One engine per variant (label -> engine arguments), all over the same loaded weights;
+    """One engine per variant (label -> engine arguments), all over the same loaded weights (one
+    copy of them per dtype, prepared once: `LoadedModel.prepared`);
     warmed up unless `warm` is False (engines whose times nobody reads) or `--no-warm-up`."""
     budget = kv_bytes(args) or kv_budget(loaded, workload, args.rounds, args.dtype)
     common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
