@@ -105,14 +105,12 @@ class LlamaModel:
             self.linear = TiledLinear(self.linear)
         # `prepared`: where models built from the same `weights` keep what they computed from them
         # (a fused or packed copy costs 0.1 s and the model's size again per engine, otherwise).
+        prepared = {} if prepared is None else prepared
         kernel = getattr(self.linear, "inner", self.linear)
         key = (dtype, str(device), type(kernel).__name__, getattr(kernel, "batch_hint", None))
-        if prepared is not None and key in prepared:
-            self.embed_tokens, self.layers, self.norm, self.lm_head = prepared[key]
-        else:
-            self._prepare(config, weights, dtype, device)
-            if prepared is not None:
-                prepared[key] = (self.embed_tokens, self.layers, self.norm, self.lm_head)
+        if key not in prepared:
+            prepared[key] = self._prepare(config, weights, dtype, device)
+        self.embed_tokens, self.layers, self.norm, self.lm_head = prepared[key]
         self.cos, self.sin = rope_tables(config, device)
         # Rotations by any shift in (-max_len, max_len), per rotary pair, contiguous: gathered
         # once per step for shared keys (a contiguous table measured 2x faster to gather).
@@ -138,8 +136,9 @@ class LlamaModel:
         fused = on_cpu and kernels.pointwise_fits(dtype, config.head_dim)
         self.pointwise = Pointwise(kernels.load_pointwise() if fused else None, self.cos, self.sin, self.dtype)
 
-    def _prepare(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device) -> None:
-        """The weights cast to `dtype` on `device`, q/k/v and gate/up fused, packed for the linear kernel."""
+    def _prepare(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device) -> tuple:
+        """(embeddings, layers, final norm, LM head): the weights cast to `dtype` on `device`, q/k/v
+        and gate/up fused, packed for the linear kernel. The layers are a tuple: models share them."""
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -153,11 +152,11 @@ class LlamaModel:
             return torch.cat([w(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
                               w(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)])
 
-        self.embed_tokens = w("model.embed_tokens.weight")
-        self.layers = []
+        embed_tokens = w("model.embed_tokens.weight")
+        layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(
+            layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
                     qkv=packed(torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
@@ -170,9 +169,9 @@ class LlamaModel:
                     qk_norm=qk_norm(p),
                 )
             )
-        self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = packed(self.embed_tokens if tied else w("lm_head.weight"))
+        lm_head = packed(embed_tokens if tied else w("lm_head.weight"))
+        return embed_tokens, tuple(layers), w("model.norm.weight"), lm_head
 
     def forward(
         self,
