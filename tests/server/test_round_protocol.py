@@ -75,3 +75,54 @@ def test_the_plugins_endpoint_refuses_what_nests_too_deeply_for_vllm():
     assert too_deep({"messages": [{"role": "user", "content": deep}, call]}) == "messages.1.tool_calls.0.function.arguments"
     assert too_deep({"agents": [{"messages": [call]}]}) == "agents.0.messages.0.tool_calls.0.function.arguments"
     assert too_deep({"input": [{"type": "function_call", "arguments": '{"a": [1, {"b": 2}]}'}]}) is None
+
+
+def test_a_clients_own_round_tag_is_checked_on_every_route():
+    """The check is keyed on the field, not on a list of paths: vLLM forwards `kv_transfer_params`
+    from `/v1/messages`, `/cohere/v2/chat`, `/inference/v1/generate` and will from routes it adds;
+    a tag the connector could not use (`transparent`, the server's own; no `cache_salt`) is a 400
+    on each, before vLLM sees it. A usable one, a body without one and a form pass untouched."""
+    import asyncio
+    import json
+
+    from tokendance.vllm_plugin.endpoint import RoundFields
+
+    def status(path: str, body, method: str = "POST", content_type: bytes = b"application/json") -> tuple[int, bytes]:
+        reached = []
+
+        async def app(scope, receive, send):
+            reached.append((await receive())["body"])
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        async def run():
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            messages = [{"type": "http.request", "body": raw, "more_body": False}]
+            statuses = []
+
+            async def receive():
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+            scope = {"type": "http", "method": method, "path": path, "headers": [(b"content-type", content_type)]}
+            await RoundFields(app)(scope, receive, send)
+            return statuses[0]
+        code = asyncio.run(run())
+        assert (code == 200) == bool(reached)  # a refused body never reaches vLLM
+        return code, reached[0] if reached else b""
+
+    tag = {"round_id": "r", "agent_id": "a", "round_size": 2}
+    transparent = {"messages": [], "kv_transfer_params": {"tokendance": {**tag, "transparent": True}}}
+    unsalted = {"messages": [], "kv_transfer_params": {"tokendance": tag}}
+    for path in ("/v1/messages", "/cohere/v2/chat", "/inference/v1/generate", "/v1/responses", "/v2/a/future/route"):
+        assert status(path, transparent)[0] == 400
+        assert status(path, {**transparent, "cache_salt": "s"})[0] == 400
+        assert status(path, unsalted)[0] == 400
+        usable = {**unsalted, "cache_salt": "s"}
+        assert status(path, usable) == (200, json.dumps(usable).encode())
+    assert status("/v1/messages", transparent, method="PUT")[0] == 400
+    assert status("/v1/messages", {"messages": [], "kv_transfer_params": {"do_remote_prefill": True}})[0] == 200
+    form = b"--x\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--x--\r\n"
+    assert status("/v1/audio/transcriptions", form, content_type=b"multipart/form-data; boundary=x") == (200, form)

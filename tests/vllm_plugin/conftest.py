@@ -3,13 +3,17 @@ one engine for the module (CacheBlend selection, which runs the check pass the d
 not, asynchronous passes, which the default does not run, and the session store, off by default; the
 server and family tests run the defaults), small blocks (32), small prefill chunks (256 tokens) and a pool small enough that a
 large round preempts. Skipped where vLLM is not installed (`make vllm` installs it
-beside torch 2.13.0 in .venv-vllm; `make test` runs these tests there)."""
+beside torch 2.13.0 in .venv-vllm; `make test` runs these tests there), except under `make
+test-vllm`, which sets TOKENDANCE_HF_CACHE: there a vLLM that does not import fails the run."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+if os.environ.get("TOKENDANCE_HF_CACHE"):  # `make test-vllm`: a broken .venv-vllm is an error, never a skip
+    import vllm  # noqa: F401
 
 BLOCK_SIZE = 32
 CHUNK = 256

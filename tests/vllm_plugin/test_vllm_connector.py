@@ -274,6 +274,60 @@ def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
     assert tokens(done) == tokens(exact)
 
 
+def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm, monkeypatch):
+    """A failure injected in each stage of the connector, on the scheduler side (planning) and the
+    workers' (building the pass, the pass, the store's capture, save and restore, masters' and
+    mirrors' alike): the round answers vLLM's exact tokens (ratio 1.0), the failure is counted by
+    reason on /metrics, and the engine serves on (each stage's round runs after the previous one's
+    failure)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tokendance.vllm_plugin import handoff
+    from tokendance.vllm_plugin.rounds import RoundBook
+    from tokendance.vllm_plugin.store import SessionStore
+    from tokendance.vllm_plugin.worker import MirrorPass
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected by the test")
+
+    worker = get_kv_transfer_group().worker  # the worker side (vLLM runs in this process)
+    stages = {"plan": [(RoundBook, "_plan", fail)],
+              "setup": [(worker, "mirror_pass", None), (handoff, "model", fail)],  # a model never handed over
+              "pass": [(MirrorPass, "_copy", fail), (SessionStore, "save", fail)],  # and the saves after it
+              "capture": [(SessionStore, "capture", fail)]}
+    prompts = round_prompts(vllm_llm, 3, seed=8, memory_lines=(2, 4))  # ~300 tokens: a few seconds a round
+    exact = tokens(generate(vllm_llm, prompts, "failref", max_tokens=8))
+    before = tokendance_counters(vllm_llm)
+    for stage, patches in stages.items():
+        with monkeypatch.context() as patch:
+            for target, name, value in patches:
+                patch.setattr(target, name, value)
+            reused = generate(vllm_llm, prompts, f"fail-{stage}", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
+            finish_store_work(vllm_llm)  # the members' saves, under the patch
+        assert tokens(reused) == exact, stage
+    # the capture round's members are in the store; vLLM's prefix cache loses them, so the next
+    # round reads their histories back from the store, which fails
+    said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in reused.items()}]
+    second = round_prompts(vllm_llm, 3, round_index=1, history=said, seed=8, memory_lines=(2, 4))
+    assert vllm_llm.reset_prefix_cache()
+    with monkeypatch.context() as patch:
+        patch.setattr(SessionStore, "rows", fail)
+        restored = generate(vllm_llm, second, "fail-capture", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
+    assert tokens(restored) == tokens(generate(vllm_llm, second, "failref2", max_tokens=8))
+    counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
+    reasons = ("plan", "setup", "pass", "save", "capture", "restore")
+    assert {r: counted.get(("vllm:tokendance_mirrors_failed", r), 0) > 0 for r in reasons} == dict.fromkeys(reasons, True)
+
+
+def finish_store_work(llm) -> None:
+    """Step the engine until the connector's store work (saves of finished requests) is done."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    for _ in range(10):
+        if not scheduler.connector.has_pending_push_work():
+            return
+        llm.llm_engine.step()
+
+
 # 9 agents of ~1,000 tokens twice (the round, then vLLM's exact run): 50-67 s on the 2-core machines,
 # over `make test`'s 60 s a test; fewer agents or tokens did not preempt. In `make test-slow`.
 @pytest.mark.slow
@@ -353,3 +407,23 @@ def test_the_scheduler_side_runs_without_vllm():
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_only_the_servers_gathering_makes_an_unsalted_member_transparent():
+    """`transparent` (no salt needed) is honoured only with transparent rounds on, where the endpoint
+    writes it and refuses a client's: without them, an unsalted member that claims it (a route the
+    endpoint does not watch, a server without it) is computed exactly, and no reused KV enters an
+    unsalted prefix cache."""
+    from types import SimpleNamespace
+
+    from tokendance.vllm_plugin.scheduler_side import SchedulerSide
+    from tokendance.vllm_plugin.settings import Settings
+
+    tag = {"round_id": "r", "agent_id": "a", "round_size": 2, "transparent": True}
+    request = SimpleNamespace(request_id="q", kv_transfer_params={"tokendance": tag}, cache_salt=None,
+                              prompt_token_ids=[1, 2, 3])
+    for transparent_rounds, admitted in ((False, False), (True, True)):
+        side = SchedulerSide(Settings(transparent_rounds=transparent_rounds), BLOCK_SIZE, frozenset(), lambda: None,
+                             single_group=True, bytes_per_token=1)
+        side.on_new_request(request)
+        assert (side.book.find("q") is not None) == admitted

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -178,6 +179,31 @@ def test_malformed_round_fields_are_refused_with_their_field(server):
         with pytest.raises(openai.BadRequestError) as refused:
             chat(server, messages, **extra)
         assert refused.value.body["param"] == param
+
+
+def test_a_clients_own_round_tag_is_checked_on_v1_messages(server):
+    """`/v1/messages` forwards `kv_transfer_params` as chat does: a tag the server writes itself
+    (`transparent`) or one without a cache_salt is refused there too (no approximate KV in an
+    unsalted prefix cache by that route), and a usable one is served."""
+    url = str(server.base_url).rstrip("/") + "/messages"
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hi."}]}
+    tag = {"round_id": "messages-1", "agent_id": "a", "round_size": 1}
+
+    def post(extra: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(url, json.dumps({**body, **extra}).encode(),
+                                         {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as refused:
+            return refused.code, json.loads(refused.read())
+
+    status, reply = post({"kv_transfer_params": {"tokendance": {**tag, "transparent": True}}, "cache_salt": "s"})
+    assert status == 400 and reply["error"]["param"] == "kv_transfer_params.tokendance"
+    status, reply = post({"kv_transfer_params": {"tokendance": tag}})
+    assert status == 400 and reply["error"]["param"] == "cache_salt"
+    status, reply = post({"kv_transfer_params": {"tokendance": tag}, "cache_salt": "messages-a"})
+    assert status == 200 and reply["content"]
 
 
 def test_a_round_whose_client_leaves_is_cancelled(server):

@@ -22,7 +22,11 @@ pins the blocks claims read and claims each member's range; plain Python, no vLL
 worker side in each worker (`worker_side.py`: one pass over the mirrors admitted in a step, before
 vLLM's forward, `worker.py`; the session store's work), and what passes between them (`plan.py`).
 Whatever it cannot do (a model, layout or config it does not know, a master gone, a timeout) is
-computed by vLLM exactly.
+computed by vLLM exactly, and so is whatever fails on either side: such a failure is counted
+(`mirrors_failed{reason}`) and logged, and never stops the engine or fails a request. The workers
+hand a failed claim's blocks back to vLLM as load errors, which vLLM recomputes only under
+`kv_load_failure_policy: recompute` (its default, "fail", fails the requests): the connector sets
+it.
 
 Approximate KV goes into vLLM's prefix cache under the mirror's own `cache_salt`: a mirror
 without a salt is computed exactly, so no other request can take reused KV for an exact hit. The
@@ -143,6 +147,15 @@ class TokenDanceConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        # vLLM's scheduler reads the policy after it builds this connector. The default, "fail", cannot
+        # be told from a "fail" given on purpose, and under it a claim the workers could not fill fails
+        # its request: with this connector, vLLM recomputes it.
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+            if role == KVConnectorRole.SCHEDULER:
+                logger.info("TokenDanceConnector: kv_load_failure_policy set to \"recompute\" (was %r): a claim "
+                            "the connector could not fill is computed by vLLM exactly",
+                            vllm_config.kv_transfer_config.kv_load_failure_policy)
+            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
         if self.settings.store_gib > 0 and vllm_config.device_config.device_type != "cpu":
             raise ValueError(f"TokenDanceConnector: store_gib needs vLLM-CPU for now (the session store keeps "
                              f"tensors in the workers' memory and re-rotates them there; on "

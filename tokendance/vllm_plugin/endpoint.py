@@ -7,7 +7,10 @@
   client's `cache_salt`, which also names the round's namespace). Existing clients and
   `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`. With the
   connector's `transparent_rounds`, it also gathers chat requests that name no round into rounds
-  (`gathering.py`).
+  (`gathering.py`). A round tag the client wrote itself (`kv_transfer_params.tokendance`) is
+  checked in any request body, whatever its route: every route vLLM has that forwards
+  `kv_transfer_params` (chat, completions, responses, `/v1/messages`, `/cohere/v2/chat`,
+  `/inference/v1/generate`) and any it adds.
 - `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
   turn is one chat request to this same server (through the middleware), all at once.
 
@@ -35,6 +38,7 @@ from tokendance.vllm_plugin.settings import Settings
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")
 GUARDED_PATHS = (*TAGGED_PATHS, "/v1/responses", "/v1/rounds")
 ROUND_ONLY = ("agents", "cache_salt")  # /v1/rounds fields that are not chat fields
+FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")  # no JSON object, no tag
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -114,6 +118,20 @@ def check_own_tag(params: dict, salt, fields: dict) -> None:
                          "only under it)", "cache_salt")
 
 
+def own_tag_error(body) -> "FieldError | None":
+    """Why the round tag a client wrote itself (`kv_transfer_params.tokendance`) is refused (None:
+    it has none, or the connector can use it), in a body of any route: vLLM forwards
+    `kv_transfer_params` from many, and will from more."""
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    if not isinstance(params, dict) or "tokendance" not in params:
+        return None
+    try:
+        check_own_tag(params, body.get("cache_salt"), {n: body[n] for n in ROUND_FIELDS if body.get(n) is not None})
+    except FieldError as exc:
+        return exc
+    return None
+
+
 def error_body(message: str, param: str | None, status: int = 400) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                  "code": status}}).encode()
@@ -142,17 +160,20 @@ def too_deep(body) -> str | None:
 
 
 class RoundFields:
-    """ASGI middleware on the JSON endpoints: rewrites tagged chat/completions bodies (see
-    `tag_body`) and refuses a body nesting too deeply (`too_deep`) with a 400 naming it; with
-    transparent rounds on (`endpoint.gathering`), gathers chat requests that name no round into
-    rounds and reads what chat replies wrote. Everything else passes untouched."""
+    """ASGI middleware on every HTTP request with a body: rewrites tagged chat/completions bodies
+    (see `tag_body`); refuses, with a 400 naming the field, a round tag the client wrote itself that
+    the connector could not use, on any route (`own_tag_error`), and a body of the JSON endpoints
+    nesting too deeply (`too_deep`); with transparent rounds on (`endpoint.gathering`), gathers
+    chat requests that name no round into rounds and reads what chat replies wrote. Everything
+    else passes untouched."""
 
     def __init__(self, app, endpoint: "RoundsEndpoint | None" = None):
         self.app = app
         self.endpoint = endpoint
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED_PATHS:
+        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
+        if scope["type"] != "http" or content_type.lower().startswith(FORM_TYPES):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -168,6 +189,11 @@ class RoundFields:
             return await _reply(send, 400, error_body("the body nests too deeply", None))
         except ValueError:
             body = None
+        refused = own_tag_error(body)
+        if refused is not None:
+            return await _reply(send, 400, error_body(str(refused), refused.param))
+        if scope["method"] != "POST" or scope["path"] not in GUARDED_PATHS:
+            return await self.app(scope, replay_of(raw, receive), send)
         deep = too_deep(body)
         if deep is not None:
             return await _reply(send, 400, error_body(f"{deep or 'the body'} nests too deeply", deep or None))
@@ -190,16 +216,21 @@ class RoundFields:
             send = gathering.reading_replies(send)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
-        sent = False
+        return await self.app(scope, replay_of(raw, receive), send)
 
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
 
-        return await self.app(scope, replay, send)
+def replay_of(raw: bytes, receive):
+    """An ASGI receive that gives the body read already, then what the client sends next."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return replay
 
 
 async def until_disconnected(receive, work):

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import re
 import weakref
+
+logger = logging.getLogger("tokendance.vllm")
 
 _models: list[weakref.ref] = []  # the models this process's runners loaded (one per worker)
 
@@ -25,7 +28,11 @@ def runner_classes() -> list[type]:
     for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.cpu_model_runner"):
         try:
             imported = importlib.import_module(module)
-        except Exception:  # a build without it, or one whose import fails here (e.g. no GPU libraries)
+        except Exception as exc:  # a build without it, or one whose import fails here (e.g. no GPU libraries)
+            absent = isinstance(exc, ModuleNotFoundError) and exc.name == module  # not in this build: expected
+            logger.log(logging.INFO if absent else logging.WARNING,
+                       "TokenDanceConnector: cannot import %s (%s: %s): a model its runner loads is not handed over, "
+                       "and passes on it fail (vLLM computes their requests exactly)", module, type(exc).__name__, exc)
             continue
         classes.append(imported.CPUModelRunner if module.endswith("cpu_model_runner") else imported.GPUModelRunner)
     return classes

@@ -19,7 +19,11 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
     "rounds_single": ("rounds", "formed", ""),
     "members": ("members", "role", "round members, by role (master: computed in full; mirror: reuses; exact)"),
     "mirrors": ("mirrors_filled", None, "mirrors whose claimed range a pass filled"),
-    "failed_mirrors": ("mirrors_failed", None, "mirrors whose pass failed (their blocks recomputed by vLLM)"),
+    "failed_mirrors": ("mirrors_failed", "reason", "failures of the connector, by stage (plan: the scheduler side's "
+                                                   "planning or claim, per request; setup: building the pass; pass; "
+                                                   "restore: a read from the session store; capture and save: the "
+                                                   "store's, per mirror and per request): the requests concerned are "
+                                                   "computed exactly by vLLM"),
     "passes": ("passes", None, "passes run by the workers"),
     "held_steps": ("held_steps", None, "engine steps a member was held (its round forming, its masters computing, "
                                        "or the step's claim budget spent)"),

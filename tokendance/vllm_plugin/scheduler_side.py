@@ -6,6 +6,10 @@ by step, what to fill (`StepOrders`); with the session store, it keeps the store
 
 Plain Python over the objects vLLM hands a connector (requests, the block pool, the KV cache
 manager, the scheduler's output): no vLLM import, so it runs without vLLM.
+
+A failure planning or claiming a request never reaches vLLM's engine: `_failed` counts it
+(`mirrors_failed{reason="plan"}`), logs it, and takes the request out of its round; vLLM computes it
+exactly (blocks vLLM already took as claimed are reported as load errors by the workers).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class SchedulerSide:
         self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
         self.in_flight: dict[str, Any] = {}  # request id -> member whose pass the workers run
         self.store_pins: dict[str, str] = {}  # request id -> the store entry its claim reads
+        self.failed: list[tuple[str, list[int]]] = []  # (request id, claimed blocks) to report as load errors
+        self.counters: dict[str, int] = {}
+        self.failure_logged = False
         self.store_index = None
         if settings.store_gib > 0:
             self.store_index = StoreIndex(int(settings.store_gib * 2**30), bytes_per_token)
@@ -81,6 +88,28 @@ class SchedulerSide:
         if entry is not None:
             self.store_index.unpin(entry)
 
+    def _failed(self, request_id: str, claimed_block_ids: list[int] = ()) -> None:
+        """Every failure on this side ends here (called in its `except`): counted, logged (with its
+        traceback the first time), and the request leaves its round (finished for the book: a
+        source of nothing, its pins released); `claimed_block_ids`, blocks vLLM already took as
+        claimed, go to the workers, which report them as load errors. vLLM computes it exactly."""
+        logger.warning("TokenDanceConnector: planning request %s failed; vLLM computes it exactly", request_id,
+                       exc_info=not self.failure_logged)
+        self.failure_logged = True
+        self.counters["failed_mirrors.plan"] = self.counters.get("failed_mirrors.plan", 0) + 1
+        self.pending.pop(request_id, None)
+        self.in_flight.pop(request_id, None)
+        self._unpin_session(request_id)
+        if claimed_block_ids:
+            self.failed.append((request_id, list(claimed_block_ids)))
+        member = self.book.find(request_id)
+        if member is not None:
+            member.failed = True
+            closed = self.book.finish(request_id)
+            if closed is not None and self.store_index is not None:
+                self.store_index.closes.append(closed)
+            self._release(self.book.releasable())
+
     def on_new_request(self, request) -> None:
         try:
             tag = RoundTag.parse(request.kv_transfer_params)
@@ -89,49 +118,74 @@ class SchedulerSide:
             return
         if tag is None:
             return
-        if not request.cache_salt and not tag.transparent:
+        # only the endpoint's gathering writes `transparent` (it refuses a client's), and only with
+        # transparent rounds on: any other unsalted member is computed exactly
+        if not request.cache_salt and not (tag.transparent and self.settings.transparent_rounds):
             logger.warning("TokenDanceConnector: request %s of round %r has no cache_salt: computed exactly "
                            "(reused KV enters the prefix cache only under the agent's own salt)",
                            request.request_id, tag.round_id)
             return
-        self.book.add(request.request_id, tag, list(request.prompt_token_ids or []), salt=request.cache_salt)
+        try:
+            self.book.add(request.request_id, tag, list(request.prompt_token_ids or []), salt=request.cache_salt)
+        except Exception:
+            self._failed(request.request_id)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.book.find(request.request_id) is None:
             return 0, False
-        count = self.book.claim(request.request_id, num_computed_tokens)
-        if count:
-            member = self.book.find(request.request_id)
-            self._pin_session(request.request_id, member.session_blocks)
-            if member.store_entry is not None:
-                self.store_index.pin(member.store_entry)
-                self.store_pins[request.request_id] = member.store_entry
+        try:
+            count = self.book.claim(request.request_id, num_computed_tokens)
+            if count:
+                member = self.book.find(request.request_id)
+                self._pin_session(request.request_id, member.session_blocks)
+                if member.store_entry is not None:
+                    self.store_index.pin(member.store_entry)
+                    self.store_pins[request.request_id] = member.store_entry
+        except Exception:
+            self._failed(request.request_id)
+            return 0, False
         return count, bool(count) and self.settings.pass_tokens_per_step > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        member = self.book.commit(request.request_id, num_external_tokens)
-        if member is not None:
-            member.block_ids[:] = blocks.get_block_ids()[0]  # before any load reads a piece it provides
-            self.pending[request.request_id] = member
-        else:
-            self._unpin_session(request.request_id)
+        try:
+            member = self.book.commit(request.request_id, num_external_tokens)
+            if member is not None:
+                member.block_ids[:] = blocks.get_block_ids()[0]  # before any load reads a piece it provides
+                self.pending[request.request_id] = member
+            else:
+                self._unpin_session(request.request_id)
+        except Exception:
+            claimed = self.book.find(request.request_id)
+            start = 0 if claimed is None or claimed.claim is None else claimed.claim[0] // self.book.block_size
+            self._failed(request.request_id, blocks.get_block_ids()[0][start:] if num_external_tokens else [])
 
     def build_orders(self, scheduler_output) -> StepOrders:
         """This step's work for the workers; the book's step ends."""
         orders = StepOrders()
-        for request_id, member in self.pending.items():
+        for request_id, member in list(self.pending.items()):
             start, end = member.claim
-            orders.loads.append(MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
-                                           self.book.loads_for(member), member.tag.recompute_ratio))
+            load = MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
+                              recompute_ratio=member.tag.recompute_ratio)
+            try:
+                load.spans = self.book.loads_for(member)
+                pinned = self.book.sent(member)  # pieces no master computes, which later members read from its blocks
+                if pinned:
+                    self.block_pool.touch([self.block_pool.blocks[i] for i in pinned])
+            except Exception:
+                self._failed(request_id, load.block_ids[start // self.book.block_size:])
+                continue
+            orders.loads.append(load)
             self.in_flight[request_id] = member
-            pinned = self.book.sent(member)  # pieces no master computes, which later members read from its blocks
-            if pinned:
-                self.block_pool.touch([self.block_pool.blocks[i] for i in pinned])
         if self.store_index is not None:  # the pieces the store keeps as masters, once these passes ran
-            for load in orders.loads:
-                load.masters = self.book.master_pieces(self.pending[load.request_id])
-                load.round_serial = self.book.round_of(load.request_id)
+            for load in list(orders.loads):
+                try:
+                    load.masters = self.book.master_pieces(self.pending[load.request_id])
+                    load.round_serial = self.book.round_of(load.request_id)
+                except Exception:
+                    orders.loads.remove(load)
+                    self._failed(load.request_id, load.block_ids[load.start // self.book.block_size:])
         self.pending.clear()
+        orders.failed, self.failed = self.failed, []
         if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
             self._filled(list(self.in_flight))
         elif any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
@@ -218,6 +272,9 @@ class SchedulerSide:
     def take_counters(self) -> dict[str, float]:
         """What the rounds and the store's index did since the last call."""
         counters = self.book.take_counters()
+        for key, value in self.counters.items():
+            counters[key] = counters.get(key, 0) + value
+        self.counters = {}
         if self.store_index is not None:
             for key, value in self.store_index.take_counters().items():
                 counters[key] = counters.get(key, 0) + value

@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+class RestoreError(RuntimeError):
+    """Reading an agent's KV back from the session store failed (the pass that read it fails, and
+    vLLM computes its claims)."""
+
+
 # keys [N, H, D] cached at positions src [N] -> as computed at positions dst [N]
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

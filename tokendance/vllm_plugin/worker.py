@@ -35,6 +35,7 @@ from tokendance.vllm_plugin.cpu_ops import fused_pointwise
 from tokendance.reuse.selection import Selector, make_selector
 from tokendance.vllm_plugin.layouts import PagedLayout
 from tokendance.vllm_plugin.plan import MirrorLoad
+from tokendance.vllm_plugin.store import RestoreError
 
 
 class UnsupportedModel(Exception):
@@ -286,7 +287,7 @@ class MirrorPass:
                     dst.append(to)
             masks.append(mask.to(slots.device))
         if stored and self.store is None:
-            raise RuntimeError("a claim reads the session store, which this worker does not have")
+            raise RestoreError("a claim reads the session store, which this worker does not have")
         if src:
             src_slots, dst_slots = torch.cat(src), torch.cat(dst)
             for layout in self.layouts:
@@ -294,8 +295,11 @@ class MirrorPass:
         clock.lap("copy")
         self.restored = {}  # (entry, start, end, destination) -> its rows, every layer: read once per pass
         for entry, start, end, to, first, at in stored:
-            keys, values = self.restored[entry, start, end, at] = tuple(
-                rows.to(to.device) for rows in self.store.rows(entry, start, end, torch.arange(at, at + end - start)))
+            try:
+                read = self.store.rows(entry, start, end, torch.arange(at, at + end - start))
+            except Exception as exc:
+                raise RestoreError(f"reading entry {entry} [{start}, {end}) from the session store failed") from exc
+            keys, values = self.restored[entry, start, end, at] = tuple(rows.to(to.device) for rows in read)
             for index in range(first, len(self.layouts)):
                 self.layouts[index].write(to, keys[:, index], values[:, index])
         clock.lap("restore")

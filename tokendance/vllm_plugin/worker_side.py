@@ -2,6 +2,11 @@
 from the scheduler side, in order: the session store's saves, drops and closed rounds, then the
 mirrors' passes (`worker.py`), one per step, whole or advanced by the step's budget; reports what
 ended (`get_finished`), what failed (load errors) and what the store holds.
+
+Nothing that fails here stops vLLM's engine or fails a request: `_failed` counts the failure by
+stage (`mirrors_failed{reason}`) and logs it, and the mirrors' claimed blocks go back to vLLM as
+load errors, which vLLM computes again, exactly (the connector sets `kv_load_failure_policy:
+recompute`).
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import torch
 
 from tokendance.vllm_plugin import handoff
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.store import SaveOrder, SessionStore
+from tokendance.vllm_plugin.store import RestoreError, SaveOrder, SessionStore
 
 logger = logging.getLogger("tokendance.vllm")
+
+
+def claimed_block_ids(load: MirrorLoad, block_size: int) -> list[int]:
+    """The blocks a load's claimed range touches (those before it hold vLLM's own prefix hit)."""
+    return load.block_ids[load.start // block_size:-(-load.end // block_size)]
 
 
 class WorkerSide:
@@ -36,6 +46,7 @@ class WorkerSide:
         self.saved: dict[str, int] = {}  # entries saved since vLLM last asked -> their own bytes
         self.store_changed = False
         self.counters: Counter = Counter()
+        self.reasons_logged: set[str] = set()  # failures logged with their traceback once
 
     def register_kv_caches(self, kv_caches) -> None:
         self.kv_caches = dict(kv_caches)
@@ -47,19 +58,42 @@ class WorkerSide:
             self.mirror_pass = MirrorPass(handoff.model(), handoff.layouts(self.vllm_config, self.kv_caches),
                                           self.block_size, self.settings.selection, self.settings.recompute_ratio,
                                           self.settings.check_layer)
+            self.mirror_pass.store = self.store
         return self.mirror_pass
 
     def _count(self, counts: dict) -> None:
         if self.counts_stats:
             self.counters.update(counts)
 
+    def _failed(self, reason: str, num_mirrors: int, loads: list[MirrorLoad] = ()) -> None:
+        """Every failure on this side ends here (called in its `except`): counted by reason (the
+        stage: `setup`, `pass`, `restore`, `capture`, `save`), logged (with its traceback the first
+        time the reason occurs), and the claimed blocks of `loads` reported as load errors, which
+        vLLM computes again, exactly."""
+        first = reason not in self.reasons_logged
+        self.reasons_logged.add(reason)
+        logger.warning("TokenDanceConnector: %s failed for %d mirror(s)%s; %s", reason, num_mirrors,
+                       f" ({', '.join(load.request_id for load in loads)})" if loads else "",
+                       "vLLM computes their claims exactly" if loads else "the session store goes without it",
+                       exc_info=first)
+        self._count({f"failed_mirrors.{reason}": num_mirrors})
+        for load in loads:
+            self.failed_block_ids.update(claimed_block_ids(load, self.block_size))
+
     def run(self, orders: StepOrders) -> None:
         """The store's work, then this step's new mirrors join the passes (one pass per step, run in
         order); the passes advance by the step's budget, or to their end."""
         if orders.saves or orders.drops or orders.closes:
             self._store_work(orders.saves, orders.drops, orders.closes)
+        for request_id, block_ids in orders.failed:  # counted by the scheduler side
+            self.failed_block_ids.update(block_ids)
+            self.filled.add(request_id)
         if orders.loads:
-            self.passes.append((orders.loads, self._pass().steps(orders.loads)))
+            try:
+                self.passes.append((orders.loads, self._pass().steps(orders.loads)))
+            except Exception:
+                self._failed("setup", len(orders.loads), orders.loads)
+                self.filled.update(load.request_id for load in orders.loads)
         spent = 0.0
         while self.passes and (not orders.budget or spent < orders.budget):
             loads, steps = self.passes[0]
@@ -71,49 +105,56 @@ class WorkerSide:
                 self._count({"mirrors": len(loads), "passes": 1, **done.value})
                 if any(load.masters for load in loads):  # the sources they read are all written now
                     self._capture(loads)
-            except Exception:  # never a wrong answer: vLLM recomputes these blocks (kv_load_failure_policy)
-                logger.exception("TokenDanceConnector: the mirrors' pass failed; their blocks are reported as load errors")
-                self._count({"failed_mirrors": len(loads)})
-                for load in loads:
-                    self.failed_block_ids.update(load.block_ids)
+            except Exception as exc:
+                self._failed("restore" if isinstance(exc, RestoreError) else "pass", len(loads), loads)
             self.passes.pop(0)
             self.filled.update(load.request_id for load in loads)
 
     def _capture(self, loads: list[MirrorLoad]) -> None:
         """The pieces these mirrors read from the members that computed them (masters, first
-        holders: still pinned), into the store as those pieces' masters."""
-        store = self._store()
-        before = store.nbytes
-        layouts = self._pass().layouts
-        for load in loads:
-            for key, block_ids, start, length in load.masters:
-                slots = self._pass()._slots(block_ids, start, start + length)
-                store.capture(key, lambda index: layouts[index].read(slots), start, start + length, load.round_serial)
+        holders: still pinned), into the store as those pieces' masters (without them, the first
+        agent saved holding a piece is its master)."""
         self.store_changed = True
+        try:
+            store = self._store()
+            before = store.nbytes
+            layouts = self._pass().layouts
+            for load in loads:
+                for key, block_ids, start, length in load.masters:
+                    slots = self._pass()._slots(block_ids, start, start + length)
+                    store.capture(key, lambda index: layouts[index].read(slots), start, start + length,
+                                  load.round_serial)
+        except Exception:
+            self._failed("capture", len(loads))
+            return
         self._count({"store_bytes": store.nbytes - before})
 
     def _store_work(self, saves: list[SaveOrder], drops: list[str], closes: list[int]) -> None:
         """Copy finished requests' KV into the store, then forget the entries dropped and the
-        closed rounds' masters no entry reads."""
-        store = self._store()
-        before, agents = store.nbytes, len(store.sessions)
-        layouts = self._pass().layouts
+        closed rounds' masters no entry reads. A save that fails is reported as such (-1): the
+        agent's next request computes what it lacks."""
+        self.store_changed = True
+        before = 0 if self.store is None else self.store.nbytes
+        agents = 0 if self.store is None else len(self.store.sessions)
         for order in saves:
             try:
+                store, layouts = self._store(), self._pass().layouts
                 slots = self._pass()._slots(order.block_ids, 0, order.length)
                 ratio = self.settings.recompute_ratio if order.recompute_ratio is None else order.recompute_ratio
                 store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces, ratio)
                 self.saved[order.entry] = store.sessions[order.entry].nbytes
-            except Exception:  # never fatal: the agent's next request computes what it lacks
-                logger.exception("TokenDanceConnector: saving request %s into the store failed", order.entry)
-                store.drop(order.entry)
+            except Exception:
+                self._failed("save", 1)
+                if self.store is not None:
+                    self.store.drop(order.entry)
                 self.saved[order.entry] = -1
+        if self.store is None:  # none could be made: nothing to drop or close
+            return
         for entry in drops:
-            store.drop(entry)
+            self.store.drop(entry)
         for serial in closes:
-            store.close_round(serial)
-        self.store_changed = True
-        self._count({"store_bytes": store.nbytes - before, "store_agents": len(store.sessions) - agents})
+            self.store.close_round(serial)
+        self._count({"store_bytes": self.store.nbytes - before, "store_agents": len(self.store.sessions) - agents})
 
     def _store(self) -> SessionStore:
         if self.store is None:
@@ -136,7 +177,7 @@ class WorkerSide:
         total bytes; None if nothing changed."""
         if not self.store_changed:
             return None
-        report = (dict(self.saved), self.store.nbytes)
+        report = (dict(self.saved), 0 if self.store is None else self.store.nbytes)
         self.saved, self.store_changed = {}, False
         return report
 
