@@ -80,6 +80,9 @@ class EngineConfig:
     # In-round anchors (tokendance): each shared span computed in full in up to this many agents'
     # contexts, its reused base the mean of those encodings (docs/concepts.md#in-round-anchors).
     anchors: int = 1
+    # Where a round's shared spans get their base KV (registry.MASTERS; in-round anchors > 1 are
+    # agents' contexts by definition).
+    masters: str = registry.DEFAULT_MASTERS
 
     def _apply_fidelity(self) -> None:
         preset = registry.FIDELITY[registry.check("fidelity", self.fidelity, registry.FIDELITY)]
@@ -104,7 +107,8 @@ class EngineConfig:
     def fidelity_name(self) -> str:
         """The preset these reuse settings are ("custom" if none)."""
         for name, preset in registry.FIDELITY.items():
-            settings = {"selection": registry.DEFAULT_SELECTION, "anchors": 1, **preset.settings}
+            settings = {"selection": registry.DEFAULT_SELECTION, "anchors": 1, "masters": registry.DEFAULT_MASTERS,
+                        **preset.settings}
             if all(getattr(self, k) == v for k, v in settings.items()):
                 return name
         return "custom"
@@ -115,6 +119,7 @@ class EngineConfig:
             self._apply_fidelity()
         registry.check("reuse", self.reuse, registry.REUSE_POLICIES)
         registry.check("selection", self.selection, registry.SELECTIONS)
+        registry.check("masters", self.masters, registry.MASTERS)
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes != "auto" and (

@@ -41,6 +41,10 @@ SELECTIONS = {  # which tokens of a reused span are recomputed in their new cont
     "attention-deviation": Choice("tokendance.reuse.selection:AttentionDeviationSelector",
                                   "the tokens whose key deviation the agent's tail reads most"),
 }
+MASTERS = {  # where the base KV of a round's shared spans is computed (tokendance)
+    "neutral": "once, in a row of their own: no agent's private text colours the KV the others read",
+    "agent": "in the context of an agent holding them (its persona, memories, ...), that agent exact",
+}
 DTYPES = {
     "auto": "bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32",
     "bfloat16": "bfloat16 weights, activations and KV",
@@ -66,6 +70,7 @@ FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#f
 
 DEFAULT_REUSE = "tokendance"
 DEFAULT_SELECTION = "epic"
+DEFAULT_MASTERS = "neutral"  # bench quality: agent masters made agents repeat each other (docs/concepts.md)
 DEFAULT_DTYPE = "auto"
 DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (docs/benchmarks.md#the-recompute-ratio-sweep)
 

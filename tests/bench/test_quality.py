@@ -28,3 +28,44 @@ def test_the_wilson_interval_holds_the_share_and_narrows_with_more_answers():
     low_many, high_many = wilson(800, 1000)
     assert low_many < 0.8 < high_many and high_many - low_many < 0.06
     assert wilson(0, 0) == (0.0, 1.0) and wilson(0, 20)[0] == 0.0 and wilson(20, 20)[1] == pytest.approx(1.0)
+
+
+def test_replies_that_say_the_same_once_the_speakers_name_is_dropped_converge():
+    from tokendance.bench.quality import convergence
+    from tokendance.convergence import repeated_replies
+
+    same = ["Hana: I'm so glad of you, I'm glad of you.", "Viktor Nguyen: I'm so glad of you, I'm glad of you.",
+            "Abigail: The bridge is closed until Friday."]
+    # the engine knows no names: a leading label is dropped; an empty reply never repeats another
+    assert repeated_replies(same) == 2 and repeated_replies([*same, "", ""]) == 2
+    assert repeated_replies(["As Hana, I'll bake bread.", "As Bo, I'll bake bread."]) == 0  # names inside differ
+    found = convergence(same, ["Hana Novak", "Viktor Nguyen", "Abigail Yamamoto"])
+    assert found["identical_pairs"] == pytest.approx(1 / 3)
+    assert found["ngram_overlap"] == pytest.approx(1 / 3)  # the third shares no 3 words in a row
+    assert convergence(["I will bake bread today", "I will bake cakes today"], "AB")["ngram_overlap"] == 1 / 5
+    # with the speakers known, their names are dropped wherever they stand
+    assert convergence(["As Hana, I'll bake bread.", "As Bo, I'll bake bread."], ["Hana", "Bo"])["identical_pairs"] == 1
+    assert convergence(["one reply"], ["Hana"]) == {"identical_pairs": 0.0, "ngram_overlap": 0.0}
+
+
+def test_the_quality_report_counts_over_runs_and_judges_against_full_and_the_floor():
+    from tokendance.bench.quality_report import interval, summarize
+
+    mean, low, high = interval([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and low < 0.1 and high > 0.3  # t with 2 degrees of freedom: wide
+    assert interval([0.5])[0] == 0.5
+
+    def figures(pairs, loops, distinct, accuracy=None):
+        return {"identical_pairs": pairs, "worst_round_identical_pairs": pairs, "ngram_overlap": pairs,
+                "loop_fraction": loops, "distinct_2": distinct, "accuracy": accuracy, "computed_share": 0.5,
+                "shared_compression": 3.0}
+
+    runs = [{"workload": "w", "settings": {"full": figures(0.0, 0.1, 0.4), "floor": figures(0.0, 0.2, 0.38),
+                                            "good": figures(0.02, 0.2, 0.39), "bad": figures(0.5 * i, 0.1, 0.4)}}
+            for i in range(3)]
+    table = summarize(runs, ["good", "bad"])["workloads"]["w"]["settings"]
+    assert table["good"]["verdict"]["passes"]
+    assert table["floor"]["loop_fraction_drift"][0] == pytest.approx(0.1)
+    bad = table["bad"]["verdict"]
+    assert not bad["convergence_mean"] and not bad["convergence_worst_run"] and bad["loops_drift"]
+    assert table["bad"]["worst_run_identical_excess"] == pytest.approx(1.0)

@@ -152,10 +152,11 @@ def late_span_turns() -> list[AgentTurn]:
 
 
 def test_a_span_no_master_holds_is_computed_once_by_its_first_holder(make_llm):
-    """Z is computed by one of its holders, in its context, and the other reuses it (its first
+    """Agent masters: Z is computed by one of its holders, in its context, and the other reuses it (its first
     tokens recomputed), in the same step or in a later one: the outputs do not depend on how the
     round's passes are cut into steps."""
-    results = [make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, max_num_batched_tokens=budget)
+    results = [make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2, masters="agent",
+                        max_num_batched_tokens=budget)
                .run_round(late_span_turns(), PARAMS) for budget in (2048, 64)]
     for result in results:
         cost = result.stats.cost
@@ -271,3 +272,54 @@ def test_the_check_pass_keeps_the_tails_attention_as_transformers_computes_it(ma
     torch.testing.assert_close(mass, expected, atol=1e-4, rtol=1e-4)
     heads = llm.engine.runner.model.config.num_heads
     assert mass.sum().item() == pytest.approx((len(token_ids) - first) * heads, rel=1e-5)  # each row sums to 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keys_moved_to_new_positions_equal_the_keys_computed_there(make_llm, dtype):
+    """Layer 0's keys and values depend on the token and its position only, so a span computed at
+    positions p and read at positions q (re-rotated when read, or copied rotated) must give the
+    keys the model computes at q, up to the dtype's rounding: the ground every reuse path stands
+    on, checked on the model's own layer rather than on the rotation's arithmetic alone."""
+    from tokendance.batch import SchedulerOutput, ScheduledRequest
+
+    runner = make_llm(dtype=dtype, reuse="full", kv_cache_bytes=64 << 20).engine.runner
+    tokens = random.Random(3).sample(range(100, 40000), 48)
+    at_p, at_q = range(5, 53), range(611, 659)
+    first, second = list(range(0, 53)), list(range(64, 64 + 659))  # one slot per position from 0
+    for name, slots, positions in (("p", first, at_p), ("q", second, at_q)):
+        runner.compute_kv(SchedulerOutput([ScheduledRequest(name, tokens, positions, slots, False, None)]), num_layers=1)
+    computed = runner.read_keys(0, second[at_q.start:], list(at_q))
+    moved = runner.read_keys(0, first[at_p.start:], list(at_q))
+    copied = list(range(800, 848))
+    runner.copy_kv(first[at_p.start:], copied, list(at_q))
+    scale = computed.abs().max().item()
+    # bf16 stores keys rotated at p and rounded: one bf16 rounding (2^-8 relative) either side
+    tolerance = 1e-5 * scale if dtype == "float32" else 2 ** -7 * scale
+    assert (moved - computed).abs().max().item() < tolerance
+    assert (runner.read_keys(0, copied, list(at_q)) - computed).abs().max().item() < tolerance
+    assert (moved - runner.read_keys(0, first[at_p.start:], list(at_p))).abs().max().item() > 10 * tolerance
+    values = runner.kv_cache.values[0]
+    assert (values[first[at_p.start:]].float() - values[second[at_q.start:]].float()).abs().max().item() < tolerance
+
+
+def test_neutral_masters_keep_an_agents_private_text_to_itself(make_llm):
+    """Neutral masters compute the shared spans in no agent's context: another agent's persona
+    never reaches what an agent reads, so changing it leaves the agent's output as it was (with
+    agent masters, every mirror reads the spans as its master's context made them)."""
+    turns = village_round(4)
+    changed = [AgentTurn(t.agent_id, [{"role": "system", "content": persona(f"someone{i}", 35)}, *t.messages[1:]])
+               if i < 3 else t for i, t in enumerate(turns)]
+    outputs = {}
+    for masters in ("neutral", "agent"):
+        llm = make_llm(dtype="float32", reuse="tokendance", masters=masters, batch_invariant=True)
+        for label, round_ in (("given", turns), ("changed", changed)):
+            outputs[masters, label] = llm.run_round(round_, PARAMS).outputs[3]  # the agent whose text stays
+            for turn in round_:  # no session carries over to the next round
+                llm.end_agent(turn.agent_id)
+
+    def moved(masters: str) -> float:
+        return (outputs[masters, "given"].logits[0] - outputs[masters, "changed"].logits[0]).abs().max().item()
+
+    assert outputs["neutral", "given"].token_ids == outputs["neutral", "changed"].token_ids
+    assert moved("neutral") < LOGIT_ATOL
+    assert moved("agent") > 100 * LOGIT_ATOL  # its master was one of the three whose persona changed

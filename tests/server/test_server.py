@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.helpers import Server, disconnect, serving, kv_bytes, long_chat, open_stream, read_events, salt, wait_until
+from tokendance.convergence import repeated_replies
 from tokendance.server.gate import Admission
 from tokendance.server.gather import ChatTurn, RoundGatherer, overlaps
 from tokendance.model.platform import probe_cpu
@@ -238,9 +239,14 @@ def test_plain_concurrent_chats_sharing_messages_form_one_round(server):
 def test_rounds_endpoint(server):
     agents = [{"agent_id": f"v{i}", "messages": villager(i)} for i in range(3)]
     agents[2]["max_tokens"] = 2
+    before = server.metrics()
     status, body = server.post("/v1/rounds", {"model": server.model, "agents": agents, "max_tokens": 5,
                                               "temperature": 0, "cache_salt": salt()})
     assert status == 200, body
+    repeated = repeated_replies([o["message"]["content"] for o in body["outputs"]])
+    assert body["stats"]["repeated_replies"] == repeated
+    counted = server.metrics()["tokendance_round_repeated_replies_total"]
+    assert counted - before.get("tokendance_round_repeated_replies_total", 0) == repeated
     assert [o["agent_id"] for o in body["outputs"]] == ["v0", "v1", "v2"]
     assert body["outputs"][2]["usage"]["completion_tokens"] <= 2
     assert body["stats"]["num_agents"] == 3 and body["stats"]["mode"] == "tokendance"

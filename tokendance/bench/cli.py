@@ -19,8 +19,9 @@ from tokendance.cli_types import mebibytes, parse_bytes
 from tokendance.workloads import WORKLOADS
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity"],
-                        help="rounds: modes side by side per round (default); capacity: max agents per mode")
+    parser.add_argument("experiment", nargs="?", default="rounds", choices=["rounds", "capacity", "quality"],
+                        help="rounds: modes side by side per round (default); capacity: max agents per mode; "
+                             "quality: closed-loop runs over seeds, each setting beside full and the numeric floor")
     parser.add_argument("--workload", default="generative-agents",
                         choices=list(WORKLOADS), help="the multi-agent workload (fact-recall: a task graded against its ground truth)")
     parser.add_argument("--agents", type=int, nargs="+", default=None,
@@ -43,6 +44,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of each reused span's tokens recomputed, in pic and tokendance (as serve's)")
     parser.add_argument("--selection", default=registry.DEFAULT_SELECTION, choices=list(registry.SELECTIONS),
                         help="which tokens of a reused span are recomputed")
+    parser.add_argument("--masters", default=registry.DEFAULT_MASTERS, choices=list(registry.MASTERS),
+                        help="where tokendance's shared spans get their base KV: " + registry.describe(registry.MASTERS))
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
                         help="KV pool per engine, e.g. 256M, as serve's (default: rounds, every agent's prompts "
                              f"privately x1.3; capacity, {CAPACITY_KV_BYTES >> 20}M, the fixed budget)")
@@ -77,6 +80,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --target: send this cache_salt (one per simulation keeps simulations apart)")
     parser.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<experiment>.json)")
     parser.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR (e.g. docs)")
+    parser.add_argument("--workloads", nargs="+", default=["generative-agents", "agent-society", "debate"],
+                        choices=list(WORKLOADS), help="quality: the workloads, each run at every seed")
+    parser.add_argument("--seeds", type=int, default=8, help="quality: runs per workload (seeds --seed, --seed+1, ...)")
+    parser.add_argument("--settings", nargs="+", default=["fast"], metavar="SETTING",
+                        help="quality: settings beside full and the floor: fidelity presets "
+                             f"({', '.join(registry.FIDELITY)}), reuse modes, or LABEL=FIELD:VALUE,... (engine fields)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="quality: torch threads of each engine (default: one per core)")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip each in-process engine's two untimed warm-up rounds (then the first timed round "
                              "also pays for compiling kernels)")
@@ -87,6 +98,10 @@ def run_bench(args) -> int:
         from tokendance.bench.target import run_target
 
         return run_target(args)
+    if args.experiment == "quality":
+        from tokendance.bench.quality_report import run_quality
+
+        return run_quality(args)
     if args.experiment == "capacity":
         from tokendance.bench.capacity import run_capacity
 

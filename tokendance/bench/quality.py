@@ -9,7 +9,8 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-WORD = re.compile(r"\w+(?:'\w+)?")
+from tokendance.convergence import WORD, reply_words
+
 SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
 LOOP_REPEATS = 3  # a sentence (or a 4-word run) written this many times in one reply is a loop
 
@@ -48,3 +49,17 @@ def degeneration(texts: Sequence[str]) -> dict:
     return {"loop_fraction": sum(map(loops, texts)) / len(texts) if texts else 0.0,
             "repeated_4grams": repeated / max(1, sum(map(len, runs))),
             "distinct_2": len(set(pairs)) / max(1, len(pairs))}
+
+
+def convergence(texts: Sequence[str], speakers: Sequence[str], n: int = 3) -> dict:
+    """How much a round's agents say the same as each other: over all pairs of replies, the share
+    that are the same text once each speaker's own name is dropped (`identical_pairs`), and the
+    mean Jaccard overlap of their word `n`-grams (`ngram_overlap`, a softer measure)."""
+    words = [reply_words(t, s) for t, s in zip(texts, speakers)]
+    grams = [set(ngrams(list(w), n)) or {w} for w in words]
+    pairs = [(i, j) for i in range(len(words)) for j in range(i + 1, len(words))]
+    if not pairs:
+        return {"identical_pairs": 0.0, "ngram_overlap": 0.0}
+    same = sum(words[i] == words[j] for i, j in pairs)
+    overlap = sum(len(grams[i] & grams[j]) / max(1, len(grams[i] | grams[j])) for i, j in pairs)
+    return {"identical_pairs": same / len(pairs), "ngram_overlap": overlap / len(pairs)}

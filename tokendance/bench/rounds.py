@@ -99,7 +99,8 @@ def make_engines(loaded, workload, variants: dict[str, dict], args, warm: bool =
     copy of them per dtype, prepared once: `LoadedModel.prepared`);
     warmed up unless `warm` is False (engines whose times nobody reads) or `--no-warm-up`."""
     budget = kv_bytes(args) or kv_budget(loaded, workload, args.rounds, args.dtype)
-    common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection}
+    common = {"dtype": args.dtype, "kv_cache_bytes": budget, "recompute_ratio": args.ratio, "selection": args.selection,
+              "masters": args.masters}
     engines = {label: LLM(loaded, **{**common, **extra}) for label, extra in variants.items()}
     if warm and getattr(args, "warm_up", True):
         warm_up(list(engines.values()))

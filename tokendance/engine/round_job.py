@@ -13,6 +13,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from tokendance.batch import ScheduledRequest
+from tokendance.convergence import repeated_replies
 from tokendance.engine.jobs import KVGroup
 from tokendance.engine.request import Request
 from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, fill_work, merge_waves
@@ -384,6 +385,7 @@ class RoundJob:
             stats = merge_waves([([self.outputs[self.requests[i].request_id] for i in w.indices], w.stats)
                                  for w in waves], started)
         stats.num_agents = len(outputs)
+        stats.repeated_replies = repeated_replies([o.text for o in outputs])
         stats.first_token_seconds = min((o.first_token_time for o in outputs if o.first_token_time),
                                         default=started) - started
         self._drop_ending_sessions()

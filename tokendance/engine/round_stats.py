@@ -73,6 +73,9 @@ class RoundStats:
     sampling_seconds: float = 0.0
     other_seconds: float = 0.0
     efficiency: float = 0.0
+    # members whose reply says the same words as another member's (a speaker's leading label
+    # dropped): agents converging on one text, what approximate reuse can add (tokendance.convergence)
+    repeated_replies: int = 0
     agents: list[AgentKVStats] = field(default_factory=list)
 
 

@@ -1,6 +1,7 @@
 """The KV Collector (`tokendance`): collective reuse once per round for all agents.
 
-One base KV per distinct shared span (the master: the span as an agent holding it computed it in
+One base KV per distinct shared span (the master: by default every shared span computed once in
+a row of its own, in no agent's context; `masters="agent"`: as an agent holding it computed it in
 its own context), one batched check pass, and one batched recompute. Agents' tables point at the
 master's slots in place (keys rotated when read) and hold private slots only for the tokens they
 recompute and their private text (Master-Mirror: the mirror is the block-sparse diff). Agents keep
@@ -43,10 +44,12 @@ class KVCollector(ReusePolicy):
 
     name = "tokendance"
 
-    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1):
+    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1,
+                 masters: str = "agent"):
         super().__init__(round_kv)
         self.scope = collective_scope
         self.anchors = anchors
+        self.neutral = masters == "neutral" and anchors == 1  # anchors are agents' contexts
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
         """The agent's session table, cut to the longest prefix its new prompt shares with it.
@@ -93,10 +96,14 @@ class KVCollector(ReusePolicy):
         started = time.perf_counter()
         for agent in agents:
             _plan_reuse(agent)
-        # Masters: a few agents whose prompts hold every distinct span (greedy cover) compute them
-        # in full; their in-context KV of each span is the base every other agent reuses (closer
-        # to the others' contexts than a span encoded on its own, so fewer tokens deviate).
-        masters = _choose_masters(agents, self.anchors)
+        # Masters. Neutral (the default): every shared span computed once, in a row of its own, so
+        # that no agent's private text reaches the KV the others read (in-context masters made the
+        # mirrors say what their master would: docs/concepts.md#where-masters-are-computed).
+        # Agent: a few agents whose prompts hold every distinct span (greedy cover) compute them in
+        # full; their in-context KV of each span is the base every other agent reuses.
+        neutral = (yield from rk.neutral_masters(agents)) if self.neutral else 0
+        report.computed_tokens += neutral
+        masters = [] if self.neutral else _choose_masters(agents, self.anchors)
         for agent in masters:  # they compute their shared spans, and still recall their own
             agent.reused_spans = [i for i in agent.reused_spans if agent.turn.spans[i].key is None]
             for index in agent.reused_spans:
@@ -145,7 +152,7 @@ class KVCollector(ReusePolicy):
         report.computed_tokens += yield from rk.recompute(others, private_positions, releases=True)
         report.recompute_seconds = time.perf_counter() - started
         count_reuse(agents, report)
-        report.cost = account(agents, rk.selector.ratio, check)
+        report.cost = account(agents, rk.selector.ratio, check, neutral)
         return report
 
     def _select(self, agents: list[AgentPrefill]):

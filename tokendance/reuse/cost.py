@@ -32,9 +32,10 @@ class RoundCost:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def account(agents: list[AgentPrefill], ratio: float, check: float) -> RoundCost:
-    """The cost of a prefill whose agents have their reused spans and selections set."""
-    cost, seen, reusable, distinct = RoundCost(check=check), set(), 0, 0
+def account(agents: list[AgentPrefill], ratio: float, check: float, neutral: int = 0) -> RoundCost:
+    """The cost of a prefill whose agents have their reused spans and selections set; `neutral`:
+    shared-span tokens computed once in no agent's context (neutral masters)."""
+    cost, seen, reusable, distinct = RoundCost(check=check, new_shared=neutral), set(), 0, neutral
     for agent in agents:
         cost.last += len(agent.token_ids) - agent.num_prepared
         reused = set(agent.reused_spans)

@@ -220,6 +220,33 @@ class RoundKV:
                 self.kv.append_shared_slots(MasterKey(), slots)
                 self.masters[span.key] = slots
 
+    def neutral_masters(self, agents: list["AgentPrefill"]) -> Generator[Work, None, int]:
+        """Masters in no agent's context: every shared span that two or more of the agents reuse,
+        computed once in a row of its own ([span][span]..., in the order they first appear), so
+        that no agent's private text (a persona, memories) colours the KV every other agent reads.
+        Returns the tokens computed."""
+        holders: dict[bytes, int] = {}
+        pieces: dict[bytes, list[int]] = {}
+        for agent in agents:
+            for index in agent.reused_spans:
+                span = agent.turn.spans[index]
+                if span.key is not None and span.key not in self.masters:
+                    holders[span.key] = holders.get(span.key, 0) + 1
+                    pieces.setdefault(span.key, agent.token_ids[span.start:span.end])
+        keys = [key for key in pieces if holders[key] > 1]
+        if not keys:
+            return 0
+        token_ids = [t for key in keys for t in pieces[key]]
+        if not self.kv.has(MasterKey()):
+            self.kv.create_table(MasterKey())
+        slots = self.private_slots(MasterKey(), len(token_ids))
+        yield Work([ScheduledRequest(MasterKey(), token_ids, range(len(token_ids)), slots, False, None)])
+        start = 0
+        for key in keys:
+            self.masters[key] = slots[start:start + len(pieces[key])]
+            start += len(pieces[key])
+        return len(token_ids)
+
     def blend_masters(self, anchors: list["AgentPrefill"]) -> None:
         """Make each span that several of these agents computed in full (in their own contexts)
         the mean of their encodings, at the first one's positions: the base every other agent

@@ -31,6 +31,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--anchors", type=int, default=1,
         help="in-round anchors: each shared span computed in full in up to this many agents' contexts, "
              "its reused base the mean of them (1: one master)")
+    add("--masters", default=registry.DEFAULT_MASTERS, choices=list(registry.MASTERS),
+        help="where shared spans get their base KV: " + registry.describe(registry.MASTERS))
     add("--fidelity", default=None, choices=list(registry.FIDELITY),
         help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
     add("--batch-invariant", action="store_true",
@@ -80,7 +82,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise InvalidRequestError("--replicas must be >= 1")
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
-                   "anchors": args.anchors,
+                   "anchors": args.anchors, "masters": args.masters,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
                 "max_num_seqs": args.max_num_seqs, "batch_invariant": args.batch_invariant,

@@ -45,6 +45,9 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_round_recomputed_tokens_total": ("counter", "shared-span tokens the rounds selected and recomputed", None),
     "tokendance_round_logical_kv_tokens_total": ("counter", "KV tokens in the agents' tables after each round", None),
     "tokendance_round_physical_kv_tokens_total": ("counter", "physical KV tokens (blocks x block size) holding them", None),
+    "tokendance_round_repeated_replies_total": ("counter", "round members whose reply says the same words as another "
+                                                "member's (agents converging on one text)", None),
+    "tokendance_last_round_repeated_replies": ("gauge", "members of the last round whose reply repeats another's", None),
     "tokendance_round_compression": ("gauge", "logical / physical KV tokens of the last round", None),
     "tokendance_round_shared_compression": ("gauge", "shared-span tokens / distinct slots holding them, last round", None),
     "tokendance_round_kv_bytes_per_agent": ("gauge", "KV bytes per agent of the last round", None),
@@ -119,6 +122,8 @@ class Metrics:
         self.inc("tokendance_round_recomputed_tokens_total", stats.recomputed_tokens)
         self.inc("tokendance_round_logical_kv_tokens_total", stats.logical_kv_tokens)
         self.inc("tokendance_round_physical_kv_tokens_total", stats.physical_kv_tokens)
+        self.inc("tokendance_round_repeated_replies_total", stats.repeated_replies)
+        self.set("tokendance_last_round_repeated_replies", stats.repeated_replies)
         self.set("tokendance_round_compression", stats.compression)
         self.set("tokendance_round_shared_compression", stats.shared_compression)
         self.set("tokendance_round_kv_bytes_per_agent", stats.kv_bytes_per_agent)

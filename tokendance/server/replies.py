@@ -166,6 +166,7 @@ def round_response(request_id: str, model: str, agent_ids: list[str], outputs: l
             "compression": stats.compression,
             "shared_compression": stats.shared_compression,
             "diff_blocks": stats.diff_blocks,
+            "repeated_replies": stats.repeated_replies,
         })
 
 
