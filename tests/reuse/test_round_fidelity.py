@@ -18,10 +18,13 @@ from tokendance.reuse.segments import with_continuation
 from tokendance.sampling import TokenLogprobs
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=1)
-# The default's fidelity on `village_round(8)`, measured natively (AVX512) and under simulated AVX2:
-# 4 of 8 outputs identical to full prefill, the other 4 parting at near ties, none confidently.
-# The bound leaves one more near tie to another CPU's rounding.
-IDENTICAL_BOUND = 3 / 8
+# The default's fidelity on `village_round(8)`, measured natively (AVX512), float32: with neutral
+# masters 1 of 8 outputs identical to full prefill, the other 7 parting at near ties, none
+# confidently, KL 0.049 at the first token (agent masters: 4 of 8 identical, the other 4 at near
+# ties). Neutral masters read the shared messages in no agent's context, so each agent's own context
+# is further from them; what that does in the closed loop is `tokendance bench quality`'s to say
+# (docs/concepts.md#where-masters-are-computed). The bounds leave room for another CPU's rounding.
+KL_BOUND = 0.1
 CONFIDENT_BOUND = 0
 
 
@@ -53,7 +56,7 @@ def test_fidelity_of_the_default_reuse_on_a_shuffled_round(make_llm):
     exact, fidelity = compare(reference, prefix), compare(reference, reused.outputs)
     assert exact.identical_fraction == 1.0 and exact.near_tie_divergences == exact.confident_divergences == 0
     assert fidelity.near_tie_divergences + fidelity.confident_divergences == round(8 * (1 - fidelity.identical_fraction))
-    assert fidelity.identical_fraction >= IDENTICAL_BOUND
+    assert fidelity.mean_kl < KL_BOUND
     assert fidelity.confident_divergences <= CONFIDENT_BOUND
     assert fidelity.top1_agreement >= 0.75
 

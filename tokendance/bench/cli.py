@@ -59,6 +59,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-anchors", type=int, nargs="*", default=[],
                         help="--fidelity: also tokendance with each of these in-round anchor counts (> 1), with each "
                              "--sweep-selections at each --sweep-ratios")
+    parser.add_argument("--sweep-masters", nargs="*", default=[], choices=list(registry.MASTERS),
+                        help="--fidelity: also the sweep with masters computed this way (beside --masters)")
     parser.add_argument("--sweep-agents", type=int, default=8, help="agents of the sweep's and --fidelity's simulation")
     parser.add_argument("--fidelity", action="store_true",
                         help="the noise-floor report at --sweep-agents instead of the sweep: every mode and "
@@ -86,6 +88,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", nargs="+", default=["fast"], metavar="SETTING",
                         help="quality: settings beside full and the floor: fidelity presets "
                              f"({', '.join(registry.FIDELITY)}), reuse modes, or LABEL=FIELD:VALUE,... (engine fields)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                        help="quality: report over the runs these files hold (runs split over processes)")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="quality: torch threads of each engine (default: one per core)")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",

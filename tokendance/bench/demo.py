@@ -38,12 +38,12 @@ def run_demo(args) -> int:
 
 def format_demo(rows: list[dict]) -> str:
     lines = [f"\n{'round':>5}  {'mode':<11}{'latency s':>10}{'TTFT s':>8}{'tokens computed':>16}{'KV MB/agent':>12}"
-             f"{'same as full':>13}{'loops':>7}{'distinct-2':>11}"]
+             f"{'same as full':>13}{'loops':>7}{'distinct-2':>11}{'repeats':>9}"]
     for r in sorted(rows, key=lambda r: (r["round"], r["mode"] != "full", r["mode"])):
         lines.append(f"{r['round']:>5}  {r['mode']:<11}{r['round_seconds']:>10.2f}{r['prefill_seconds']:>8.2f}"
                      f"{r['computed_tokens']:>9.0f} / {r['prompt_tokens']:<5}{r['kv_bytes_per_agent'] / MB:>12.1f}"
                      f"{r['trace']['identical_outputs']:>12.0%}{r['quality']['loop_fraction']:>7.0%}"
-                     f"{r['quality']['distinct_2']:>11.2f}")
+                     f"{r['quality']['distinct_2']:>11.2f}{r['repeated_replies'] / r['agents']:>9.0%}")
     by = {(r["round"], r["mode"]): r for r in rows}
     last = max(r["round"] for r in rows)
     td, prefix = by[(last, "tokendance")], by[(last, "prefix")]
@@ -53,7 +53,8 @@ def format_demo(rows: list[dict]) -> str:
         f"{prefix['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x less KV per agent; "
         "'same as full': share of the agents' outputs so far identical to the no-reuse trace; 'loops': share "
         "of the round's replies repeating a sentence or a 4-word run 3 times or more; 'distinct-2': distinct "
-        "word pairs over all pairs of the round's replies")
+        "word pairs over all pairs of the round's replies; 'repeats': share of the agents whose reply says the "
+        "same words as another agent's")
     return "\n".join(lines)
 
 

@@ -48,6 +48,11 @@ def variants(args) -> dict[str, dict]:
             for ratio in args.sweep_ratios or ():
                 found[f"{selection}+anchors{anchors}@{ratio:g}"] = {
                     "reuse": "tokendance", "selection": selection, "anchors": anchors, "recompute_ratio": ratio}
+    for masters in getattr(args, "sweep_masters", ()):  # the same sweep with masters computed elsewhere
+        for selection in args.sweep_selections:
+            for ratio in args.sweep_ratios or ():
+                found[f"{selection}@{ratio:g}/{masters}"] = {"reuse": "tokendance", "selection": selection,
+                                                             "recompute_ratio": ratio, "masters": masters}
     present = {EngineConfig(**settings).fidelity_name for settings in found.values()}
     for name, preset in FIDELITY.items():
         if name not in present:

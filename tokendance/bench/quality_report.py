@@ -27,7 +27,7 @@ from tokendance.bench.quality import convergence, degeneration
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.llm import LLM
 from tokendance.model.loader import load_model
-from tokendance.model.platform import dtype_name
+from tokendance.model.platform import dtype_name, probe_cpu
 from tokendance.workloads import make_workload
 
 REFERENCE, FLOOR = "full", "floor"  # the two settings every report computes
@@ -118,16 +118,20 @@ def _value(text: str):
 
 def run_quality(args) -> int:
     """Runs every (workload, seed) in closed loop with every setting beside full and the floor,
-    prints the report and writes the per-run figures as JSON."""
+    prints the report and writes the per-run figures as JSON (after each run: a run the file
+    already holds is not run again). `--merge FILE...`: the report of runs already written."""
+    if args.merge:
+        return merge_reports(args.merge, args.out)
     loaded = load_model(args.model)
     dtype = dtype_name(args.dtype)
     settings = quality_settings(args.settings)
-    runs: list[dict] = []
-    started = time.perf_counter()
-    # seed by seed, every workload at each: what has run is a sample of all of them
-    jobs = [(w, s) for s in range(args.seed, args.seed + args.seeds) for w in args.workloads]
     out = Path(args.out or "benchmarks/results/quality.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = json.loads(out.read_text()).get("runs", []) if out.exists() else []
+    done = {(r["workload"], r["seed"]) for r in runs}
+    started = time.perf_counter()
+    # seed by seed, every workload at each: what has run is a sample of all of them
+    jobs = [(w, s) for s in range(args.seed, args.seed + args.seeds) for w in args.workloads if (w, s) not in done]
     engines_of: dict[str, dict[str, LLM]] = {}
     with tqdm(total=len(jobs), desc="closed-loop runs", unit="run") as bar:
         for workload_name, seed in jobs:
@@ -146,16 +150,36 @@ def run_quality(args) -> int:
             for llm in engines.values():  # the next run's agents have the same ids: no session carries over
                 for agent in workload.agents:
                     llm.end_agent(agent)
-            out.write_text(json.dumps({"runs": runs}, indent=1))  # what has run, if the rest never does
+            out.write_text(json.dumps({"runs": runs, "config": {"dtype": dtype, "floor_dtype": other_dtype(dtype),
+                                                                 "rounds": args.rounds, "cpu": probe_cpu().describe(),
+                                                                 "settings": settings}}, indent=1))
             bar.update(1)
-    report = summarize(runs, list(settings))
-    report["config"] = {"dtype": dtype, "floor_dtype": other_dtype(dtype), "rounds": args.rounds,
-                        "seeds": args.seeds, "cpu": engines.get(REFERENCE).engine.cpu.describe(),
-                        "settings": settings, "seconds": time.perf_counter() - started}
+    config = {"dtype": dtype, "floor_dtype": other_dtype(dtype), "rounds": args.rounds,
+              "cpu": probe_cpu().describe(), "settings": settings, "seconds": time.perf_counter() - started}
+    return _report(runs, config, out)
+
+
+def _report(runs: list[dict], config: dict, out: Path) -> int:
+    report = summarize(runs, [s for s in runs[0]["settings"] if s not in (REFERENCE, FLOOR)])
+    report["config"] = config
     print(format_report(report))
-    out.write_text(json.dumps({"report": report, "runs": runs}, indent=1))
+    out.write_text(json.dumps({"report": report, "runs": runs, "config": config}, indent=1))
     print(f"\nper-run figures and replies: {out}")
     return 0
+
+
+def merge_reports(paths: Sequence[str], out: str | None) -> int:
+    """One report over the runs of several files (runs split over processes), the first run of
+    each (workload, seed) kept."""
+    runs, seen, config = [], set(), {}
+    for path in paths:
+        found = json.loads(Path(path).read_text())
+        config = found.get("config") or config
+        for run in found["runs"]:
+            if (run["workload"], run["seed"]) not in seen:
+                seen.add((run["workload"], run["seed"]))
+                runs.append(run)
+    return _report(runs, config, Path(out or "benchmarks/results/quality.json"))
 
 
 def _agents(args, workload_name: str) -> int | None:
@@ -247,7 +271,7 @@ def format_report(report: dict) -> str:
                          f"{_fmt(row['distinct_2_drift'], 100, 2):>17}{accuracy:>18}"
                          f"{row['computed_share'][0] * 100:>11.1f}{row['shared_compression'][0]:>9.2f}  {said}")
     c = report.get("config", {})
-    if c:
+    if c.get("dtype"):
         lines.append(f"\n{c['dtype']} (floor: full in {c['floor_dtype']}), CPU {c['cpu']}, {c['rounds']} rounds a run; "
                      "pairs: share of reply pairs that are the same text once the speaker's name is dropped, minus "
                      "full's in the same run; drift: |setting - full| in the same run (the floor's row is the numeric "

@@ -230,13 +230,17 @@ class KVCollector(ReusePolicy):
 
 
 def _plan_reuse(agent: AgentPrefill) -> None:
-    """The spans the agent reuses. An agent without a session keeps its prefix exact where that
-    is cheap, so that the prefix cache serves it next time (its next prompt, when it keeps no
-    session, starts the same): a reused span shorter than the private text after it (a shared
-    heading before an agent's own profile) is computed, since every token after a reused span
-    is no longer exact."""
+    """The spans the agent reuses. The message it answers (its prompt's last before the reply)
+    is computed in its own context even where others hold it too ("Revise your answer."): it is
+    short, and it is what the reply reads first (read as another context made it, it moved the
+    first token's KL 0.13 where the agent's own memories were recalled: tests/reuse/test_rounds.py).
+    An agent without a session keeps its prefix exact where that is cheap, so that the prefix
+    cache serves it next time (its next prompt, when it keeps no session, starts the same): a
+    reused span shorter than the private text after it (a shared heading before an agent's own
+    profile) is computed, since every token after a reused span is no longer exact."""
     spans = agent.turn.spans
-    reused = agent.spans_to_reuse()
+    last = max((i for i, s in enumerate(spans) if s.end <= agent.num_prepared), default=None)
+    reused = [i for i in agent.spans_to_reuse() if i != last]
     if agent.from_prefix_cache:
         while reused:
             span = spans[reused[0]]
