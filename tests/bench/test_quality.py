@@ -69,3 +69,15 @@ def test_the_quality_report_counts_over_runs_and_judges_against_full_and_the_flo
     bad = table["bad"]["verdict"]
     assert not bad["convergence_mean"] and not bad["convergence_worst_run"] and bad["loops_drift"]
     assert table["bad"]["worst_run_identical_excess"] == pytest.approx(1.0)
+
+
+def test_quality_settings_are_presets_modes_or_engine_fields_and_bad_ones_are_refused_by_name():
+    from tokendance.bench.quality_report import quality_settings
+    from tokendance.errors import InvalidRequestError
+
+    found = quality_settings(["fast", "prefix", "agent=reuse:tokendance,masters:agent,recompute_ratio:0.15"])
+    assert found == {"fast": {"fidelity": "fast"}, "prefix": {"reuse": "prefix"},
+                     "agent": {"reuse": "tokendance", "masters": "agent", "recompute_ratio": 0.15}}
+    for bad in ("x=ratio", "x=bogus:1", "x=masters:nowhere", "floor=reuse:full", "nope"):
+        with pytest.raises(InvalidRequestError):
+            quality_settings([bad])

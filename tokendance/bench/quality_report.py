@@ -23,6 +23,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tokendance import registry
+from tokendance.config import EngineConfig
+from tokendance.errors import InvalidRequestError
 from tokendance.bench.quality import convergence, degeneration
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
 from tokendance.llm import LLM
@@ -99,11 +101,21 @@ def quality_settings(names: Sequence[str]) -> dict[str, dict]:
     for name in names:
         if "=" in name:
             label, fields = name.split("=", 1)
-            found[label] = {k: _value(v) for k, v in (f.split(":", 1) for f in fields.split(","))}
+            pairs = [f.split(":", 1) for f in fields.split(",")]
+            if not label or any(len(p) != 2 for p in pairs):
+                raise InvalidRequestError(f"setting {name!r}: write LABEL=FIELD:VALUE,FIELD:VALUE", "settings")
+            found[label] = {k: _value(v) for k, v in pairs}
         elif name in registry.FIDELITY:
             found[name] = {"fidelity": name}
         else:
             found[name] = {"reuse": registry.check("setting", name, registry.REUSE_POLICIES)}
+        try:  # the engine's own checks, before the long runs
+            EngineConfig(**found[name.split("=", 1)[0]])
+        except TypeError as error:
+            raise InvalidRequestError(f"setting {name!r}: {error}", "settings") from None
+    if {REFERENCE, FLOOR} & found.keys():
+        raise InvalidRequestError(f"{REFERENCE!r} and {FLOOR!r} are computed beside every setting: name it otherwise",
+                                  "settings")
     return found
 
 
@@ -129,6 +141,8 @@ def run_quality(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = json.loads(out.read_text()).get("runs", []) if out.exists() else []
     done = {(r["workload"], r["seed"]) for r in runs}
+    config = {"dtype": dtype, "floor_dtype": other_dtype(dtype), "rounds": args.rounds, "cpu": probe_cpu().describe(),
+              "settings": settings}
     started = time.perf_counter()
     # seed by seed, every workload at each: what has run is a sample of all of them
     jobs = [(w, s) for s in range(args.seed, args.seed + args.seeds) for w in args.workloads if (w, s) not in done]
@@ -150,16 +164,14 @@ def run_quality(args) -> int:
             for llm in engines.values():  # the next run's agents have the same ids: no session carries over
                 for agent in workload.agents:
                     llm.end_agent(agent)
-            out.write_text(json.dumps({"runs": runs, "config": {"dtype": dtype, "floor_dtype": other_dtype(dtype),
-                                                                 "rounds": args.rounds, "cpu": probe_cpu().describe(),
-                                                                 "settings": settings}}, indent=1))
+            out.write_text(json.dumps({"runs": runs, "config": config}, indent=1))
             bar.update(1)
-    config = {"dtype": dtype, "floor_dtype": other_dtype(dtype), "rounds": args.rounds,
-              "cpu": probe_cpu().describe(), "settings": settings, "seconds": time.perf_counter() - started}
-    return _report(runs, config, out)
+    return _report(runs, {**config, "seconds": time.perf_counter() - started}, out)
 
 
 def _report(runs: list[dict], config: dict, out: Path) -> int:
+    if not runs:
+        raise InvalidRequestError("no closed-loop run to report (--seeds 0, or empty files)", "seeds")
     report = summarize(runs, [s for s in runs[0]["settings"] if s not in (REFERENCE, FLOOR)])
     report["config"] = config
     print(format_report(report))
