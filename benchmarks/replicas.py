@@ -21,8 +21,8 @@ import urllib.request
 from pathlib import Path
 
 SETUPS = {
-    "1 engine (2 threads)": ["--num-threads", "2"],
-    "2 replicas (1 thread each)": ["--replicas", "2", "--num-threads", "1"],
+    "1 engine (2 threads)": ["--num-threads", "2", "--reuse", "tokendance"],
+    "2 replicas (1 thread each)": ["--replicas", "2", "--num-threads", "1", "--reuse", "tokendance"],
 }
 
 

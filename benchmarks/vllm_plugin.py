@@ -41,8 +41,10 @@ def free_port() -> int:
 def start(name: str, port: int, args, log) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if name == "tokendance":
+        # collective reuse with masters in agents' contexts, as the plugin plans them (parity)
         command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-                   "--kv-cache-bytes", f"{args.kv_gib}GiB", "--recompute-ratio", str(args.ratio)]
+                   "--kv-cache-bytes", f"{args.kv_gib}GiB", "--reuse", "tokendance", "--masters", "agent",
+                   "--recompute-ratio", str(args.ratio)]
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     from tokendance.vllm_plugin.model_folder import default_model_folder
 

@@ -35,9 +35,11 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()
-        # no warm-up rounds unless asked: a test's first requests compile what they use (no test reads times)
+        # no warm-up rounds unless asked: a test's first requests compile what they use (no test reads times);
+        # collective reuse unless the test names a mode (the default serves exactly: what most tests check is reuse)
+        reuse = [] if {"--reuse", "--fidelity"} & set(args) else ["--reuse", "tokendance"]
         command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", str(THREADS),
-                   *([] if warm_up else ["--no-warm-up"]), *args]
+                   *([] if warm_up else ["--no-warm-up"]), *reuse, *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 180

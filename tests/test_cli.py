@@ -47,3 +47,15 @@ def test_bench_against_a_server_that_is_not_up_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert status == 1 and len(err.splitlines()) == 1
     assert err.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1") and "tokendance serve" in err
+
+
+def test_serve_is_exact_by_default_and_gathers_rounds_only_where_they_share_kv():
+    from tokendance.server.cli import DEFAULT_GATHER_MS, gather_window_ms
+
+    def parse(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    assert parse().reuse == "prefix" and gather_window_ms(parse()) == 0  # nothing to gain from holding a chat
+    assert gather_window_ms(parse("--reuse", "tokendance")) == DEFAULT_GATHER_MS
+    assert gather_window_ms(parse("--fidelity", "fast")) == DEFAULT_GATHER_MS
+    assert gather_window_ms(parse("--fidelity", "exact", "--gather-window-ms", "20")) == 20

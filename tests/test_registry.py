@@ -24,7 +24,8 @@ def test_every_registered_name_loads_its_class():
 
 
 def test_fidelity_presets_set_the_reuse_knobs():
-    assert EngineConfig().fidelity_name == "fast"  # the defaults are the fast preset
+    assert EngineConfig().fidelity_name == "exact"  # the default serves exactly
+    assert EngineConfig(reuse="tokendance").fidelity_name == "fast"  # collective reuse's defaults are `fast`
     for name, preset in registry.FIDELITY.items():
         config = EngineConfig(fidelity=name)
         assert {k: getattr(config, k) for k in preset.settings} == preset.settings

@@ -57,7 +57,7 @@ class Preset(NamedTuple):
 
 
 FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#fidelity-presets)
-    "exact": Preset({"reuse": "prefix"}, "prefix caching only: outputs as full prefill's"),
+    "exact": Preset({"reuse": "prefix"}, "prefix caching only (the default): outputs as full prefill's"),
     "floor": Preset({"reuse": "tokendance", "recompute_ratio": 0.95},
                     "collective reuse recomputing 95% of each span: KL ~2-4x the bf16 noise floor, no faster "
                     "than exact"),
@@ -65,11 +65,14 @@ FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#f
                        "collective reuse over 4 in-round anchors, recomputing the 5% they disagree on most: KL ~9x "
                        "the floor at 2.4x shared-span compression, ~1.07x the default's round TTFT"),
     "fast": Preset({"reuse": "tokendance", "recompute_ratio": 0.05},
-                   "collective reuse recomputing 5% over neutral masters (the default settings): the most reuse; "
-                   "in closed loops agents repeat each other no more than under full computation"),
+                   "collective reuse recomputing 5% over neutral masters: the most reuse (round TTFT ~1.8x prefix "
+                   "caching's at 16 agents); in closed loops agents repeat each other more than under full computation"),
 }
 
-DEFAULT_REUSE = "tokendance"
+# Exact by default: over closed-loop runs `fast` made agents repeat each other more than full computation
+# does (docs/benchmarks.md#what-agents-say-in-the-closed-loop); collective reuse is `--fidelity fast`.
+DEFAULT_REUSE = "prefix"
+SHARING = ("pic", "tokendance")  # reuse modes that serve one agent's prompt from KV computed for another's
 DEFAULT_SELECTION = "epic"
 DEFAULT_MASTERS = "neutral"  # bench quality: agent masters made agents repeat each other (docs/concepts.md)
 DEFAULT_DTYPE = "auto"

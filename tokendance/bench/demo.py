@@ -48,7 +48,8 @@ def format_demo(rows: list[dict]) -> str:
     last = max(r["round"] for r in rows)
     td, prefix = by[(last, "tokendance")], by[(last, "prefix")]
     lines.append(
-        f"\nround {last}: tokendance {prefix['round_seconds'] / td['round_seconds']:.2f}x the speed of prefix caching "
+        f"\nround {last}: tokendance (--fidelity fast) {prefix['round_seconds'] / td['round_seconds']:.2f}x the speed of "
+        "prefix caching (the default, exact) "
         f"(TTFT {prefix['prefill_seconds'] / td['prefill_seconds']:.2f}x), "
         f"{prefix['kv_bytes_per_agent'] / td['kv_bytes_per_agent']:.2f}x less KV per agent; "
         "'same as full': share of the agents' outputs so far identical to the no-reuse trace; 'loops': share "

@@ -133,7 +133,7 @@ def run_quality(args) -> int:
     prints the report and writes the per-run figures as JSON (after each run: a run the file
     already holds is not run again). `--merge FILE...`: the report of runs already written."""
     if args.merge:
-        return merge_reports(args.merge, args.out)
+        return merge_reports(args.merge, args.out, args.plots)
     loaded = load_model(args.model)
     dtype = dtype_name(args.dtype)
     settings = quality_settings(args.settings)
@@ -166,10 +166,10 @@ def run_quality(args) -> int:
                     llm.end_agent(agent)
             out.write_text(json.dumps({"runs": runs, "config": config}, indent=1))
             bar.update(1)
-    return _report(runs, {**config, "seconds": time.perf_counter() - started}, out)
+    return _report(runs, {**config, "seconds": time.perf_counter() - started}, out, args.plots)
 
 
-def _report(runs: list[dict], config: dict, out: Path) -> int:
+def _report(runs: list[dict], config: dict, out: Path, plots: str | None = None) -> int:
     if not runs:
         raise InvalidRequestError("no closed-loop run to report (--seeds 0, or empty files)", "seeds")
     report = summarize(runs, [s for s in runs[0]["settings"] if s not in (REFERENCE, FLOOR)])
@@ -177,10 +177,13 @@ def _report(runs: list[dict], config: dict, out: Path) -> int:
     print(format_report(report))
     out.write_text(json.dumps({"report": report, "runs": runs, "config": config}, indent=1))
     print(f"\nper-run figures and replies: {out}")
+    if plots:
+        plot_quality(runs, report, Path(plots) / "closed-loop-convergence.png")
+        print(f"plot: {Path(plots) / 'closed-loop-convergence.png'}")
     return 0
 
 
-def merge_reports(paths: Sequence[str], out: str | None) -> int:
+def merge_reports(paths: Sequence[str], out: str | None, plots: str | None = None) -> int:
     """One report over the runs of several files (runs split over processes), the first run of
     each (workload, seed) kept."""
     runs, seen, config = [], set(), {}
@@ -191,7 +194,7 @@ def merge_reports(paths: Sequence[str], out: str | None) -> int:
             if (run["workload"], run["seed"]) not in seen:
                 seen.add((run["workload"], run["seed"]))
                 runs.append(run)
-    return _report(runs, config, Path(out or "benchmarks/results/quality.json"))
+    return _report(runs, config, Path(out or "benchmarks/results/quality.json"), plots)
 
 
 def _agents(args, workload_name: str) -> int | None:
@@ -267,21 +270,22 @@ def _fmt(value: tuple[float, float, float], scale: float = 100.0, digits: int = 
 
 
 def format_report(report: dict) -> str:
+    columns = [("setting", 10), ("pairs same, pts over full", 25), ("worst run", 9), ("3-gram overlap over full", 24),
+               ("loops drift, pts", 24),
+               ("distinct-2 drift", 24), ("accuracy %", 20), ("computed %", 10), ("shared x", 8), ("verdict", 0)]
     lines = []
     for workload, found in report["workloads"].items():
         lines.append(f"\n{workload}: {found['runs']} closed-loop runs (95% intervals over runs)")
-        lines.append(f"{'setting':<12}{'same-as-other pairs, pts over full':>36}{'worst run':>10}"
-                     f"{'loops drift':>12}{'distinct-2 drift':>17}{'accuracy %':>18}{'computed %':>11}"
-                     f"{'shared x':>9}  verdict")
+        lines.append("  ".join(f"{name:<{width}}" for name, width in columns).rstrip())
         for setting, row in found["settings"].items():
-            accuracy = _fmt(row["accuracy"]) if "accuracy" in row else "-"
             checks = row.get("verdict")
             failed = [k for k, ok in (checks or {}).items() if not ok and k != "passes"]
             said = "floor" if checks is None else ("passes" if checks["passes"] else "fails: " + ", ".join(failed))
-            lines.append(f"{setting:<12}{_fmt(row['identical_pairs_excess']):>36}"
-                         f"{row['worst_run_identical_excess'] * 100:>10.1f}{_fmt(row['loop_fraction_drift']):>12}"
-                         f"{_fmt(row['distinct_2_drift'], 100, 2):>17}{accuracy:>18}"
-                         f"{row['computed_share'][0] * 100:>11.1f}{row['shared_compression'][0]:>9.2f}  {said}")
+            cells = [setting, _fmt(row["identical_pairs_excess"]), f"{row['worst_run_identical_excess'] * 100:.1f}",
+                     _fmt(row["ngram_overlap_excess"]), _fmt(row["loop_fraction_drift"]), _fmt(row["distinct_2_drift"], 100, 2),
+                     _fmt(row["accuracy"]) if "accuracy" in row else "-", f"{row['computed_share'][0] * 100:.1f}",
+                     f"{row['shared_compression'][0]:.2f}", said]
+            lines.append("  ".join(f"{cell:<{width}}" for cell, (_, width) in zip(cells, columns)).rstrip())
     c = report.get("config", {})
     if c.get("dtype"):
         lines.append(f"\n{c['dtype']} (floor: full in {c['floor_dtype']}), CPU {c['cpu']}, {c['rounds']} rounds a run; "
@@ -289,3 +293,41 @@ def format_report(report: dict) -> str:
                      "full's in the same run; drift: |setting - full| in the same run (the floor's row is the numeric "
                      "noise: full in the other dtype)")
     return "\n".join(lines)
+
+
+def plot_quality(runs: list[dict], report: dict, path: Path) -> None:
+    """Per workload, each setting at the share of prompt tokens it computed: every run's
+    convergence excess over full (dots; each run a sample) and their mean with its 95% interval,
+    the floor among them, the targets' 5 and 20 points drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(report["workloads"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(max(8.0, 5.5 * len(workloads)), 4.8), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        table = report["workloads"][workload]["settings"]
+        mine = [r for r in runs if r["workload"] == workload]
+        for setting, row in table.items():
+            x = row["computed_share"][0] * 100
+            excess = [100 * (r["settings"][setting]["identical_pairs"] - r["settings"][REFERENCE]["identical_pairs"])
+                      for r in mine]
+            ax.scatter([x] * len(excess), excess, s=14, alpha=0.45, color="gray")
+            mean, low, high = (100 * v for v in row["identical_pairs_excess"])
+            yerr = None if math.isnan(low) else [[mean - low], [high - mean]]
+            ax.errorbar([x], [mean], yerr=yerr, fmt="o", capsize=4, markersize=7)
+            ax.annotate(setting, (x, mean), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        for level, style in ((5, ":"), (20, "--")):
+            ax.axhline(level, linestyle=style, color="tab:red", linewidth=0.8)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set(xlabel="prompt tokens computed (% of the prompts)", ylabel="reply pairs the same, points over full",
+               title=f"{workload}: {len(mine)} closed-loop runs")
+        ax.grid(alpha=0.3)
+    c = report.get("config", {})
+    fig.suptitle(f"Agents repeating each other under reuse ({c.get('dtype', '')}, CPU {c.get('cpu', '')})\n"
+                 "dots: runs; bars: 95% intervals over runs; red: the targets' 5 and 20 points", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -10,6 +10,8 @@ from tokendance import registry
 from tokendance.cli_types import parse_bytes
 from tokendance.server.tool_formats import TOOL_CALL_FORMATS
 
+DEFAULT_GATHER_MS = 50.0
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
@@ -37,8 +39,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
     add("--batch-invariant", action="store_true",
         help="greedy outputs independent of what else runs in the batch (full and prefix reuse; costs speed)")
-    add("--gather-window-ms", type=float, default=50.0,
-        help="a round of chat requests forms when none has come for this long (0: no transparent rounds)")
+    add("--gather-window-ms", type=float, default=None,
+        help="a round of chat requests forms when none has come for this long (0: no transparent rounds; default: "
+             f"{DEFAULT_GATHER_MS:g} where rounds share KV across agents, --reuse {' or '.join(registry.SHARING)}, else 0)")
     add("--round-timeout-ms", type=float, default=2000.0,
         help="how long a declared round (round_id + round_size) waits for its missing members, "
              "and a transparent one at most")
@@ -108,13 +111,22 @@ def run_server(args: argparse.Namespace) -> int:
     return _serve_one(args, sock, llm_args)
 
 
+def gather_window_ms(args: argparse.Namespace) -> float:
+    """The gather window asked, else DEFAULT_GATHER_MS where the reuse shares KV across agents (a
+    round of exact reuse gains nothing from waiting for its members)."""
+    if args.gather_window_ms is not None:
+        return args.gather_window_ms
+    reuse = registry.FIDELITY[args.fidelity].settings.get("reuse", args.reuse) if args.fidelity else args.reuse
+    return DEFAULT_GATHER_MS if reuse in registry.SHARING else 0.0
+
+
 def server_config(args: argparse.Namespace, model_name: str | None):
     from tokendance.server.config import ServerConfig
 
     return ServerConfig(
         model_name=model_name,
         api_keys=tuple(args.api_key or [k for k in os.environ.get("TOKENDANCE_API_KEY", "").split(",") if k]),
-        gather_window_s=args.gather_window_ms / 1000,
+        gather_window_s=gather_window_ms(args) / 1000,
         round_timeout_s=args.round_timeout_ms / 1000,
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
