@@ -1,5 +1,6 @@
-"""`tokendance demo` (`make demo`): a small closed-loop Generative Agents simulation, tokendance
-next to prefix caching, with `full` (no reuse) as the fidelity reference."""
+"""`tokendance demo` (`make demo`): a small closed-loop Generative Agents simulation: prefix caching
+(the default, exact) and collective reuse (`tokendance`, `--fidelity fast`) beside `full` (no
+reuse), the fidelity reference."""
 
 from __future__ import annotations
 
@@ -61,7 +62,12 @@ def format_demo(rows: list[dict]) -> str:
 
 def show_outputs(simulation: Simulation, workload, count: int = 3) -> None:
     last = simulation.round_index - 1
-    print(f"\nround {last + 1}, what some agents said:")
+    print(f"\nround {last + 1}, what some agents said (prefix caching, the default, says what full computation says"
+          f"{'' if _same(simulation, 'prefix', last) else ' except where a near tie rounds differently'}):")
     for agent in workload.agents[:count]:
-        for mode in ("full", "tokendance"):
-            print(f"  {workload.names[agent]:<18} [{mode}] {simulation.traces[mode].history[last][agent]}")
+        for mode, label in (("full", "full"), ("tokendance", "fast")):
+            print(f"  {workload.names[agent]:<18} [{label}] {simulation.traces[mode].history[last][agent]}")
+
+
+def _same(simulation: Simulation, mode: str, last: int) -> bool:
+    return simulation.traces[mode].history[: last + 1] == simulation.traces["full"].history[: last + 1]
