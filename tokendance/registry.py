@@ -74,7 +74,7 @@ FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#f
 DEFAULT_REUSE = "prefix"
 SHARING = ("pic", "tokendance")  # reuse modes that serve one agent's prompt from KV computed for another's
 DEFAULT_SELECTION = "epic"
-DEFAULT_MASTERS = "neutral"  # bench quality: agent masters made agents repeat each other (docs/concepts.md)
+DEFAULT_MASTERS = "neutral"  # no agent's private text reaches another's (docs/concepts.md#where-masters-are-computed)
 DEFAULT_DTYPE = "auto"
 DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (docs/benchmarks.md#the-recompute-ratio-sweep)
 
