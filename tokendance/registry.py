@@ -65,7 +65,7 @@ FIDELITY = {  # named trade-offs between exactness and reuse (docs/concepts.md#f
                        "collective reuse over 4 in-round anchors, recomputing the 5% they disagree on most: KL ~9x "
                        "the floor at 2.4x shared-span compression, ~1.07x the default's round TTFT"),
     "fast": Preset({"reuse": "tokendance", "recompute_ratio": 0.05},
-                   "collective reuse recomputing 5% over neutral masters: the most reuse (round TTFT ~1.8x prefix "
+                   "collective reuse recomputing 5% over neutral masters: the most reuse (round TTFT ~2.6x prefix "
                    "caching's at 16 agents); in closed loops agents repeat each other more than under full computation"),
 }
 
