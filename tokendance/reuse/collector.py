@@ -97,8 +97,8 @@ class KVCollector(ReusePolicy):
         for agent in agents:
             _plan_reuse(agent)
         # Masters. Neutral (the default): every shared span computed once, in a row of its own, so
-        # that no agent's private text reaches the KV the others read (in-context masters made the
-        # mirrors say what their master would: docs/concepts.md#where-masters-are-computed).
+        # that no agent's private text reaches the KV the others read (docs/concepts.md#where-
+        # masters-are-computed: closed-loop quality measured no different from agent masters').
         # Agent: a few agents whose prompts hold every distinct span (greedy cover) compute them in
         # full; their in-context KV of each span is the base every other agent reuses.
         neutral = (yield from rk.neutral_masters(agents)) if self.neutral else 0
