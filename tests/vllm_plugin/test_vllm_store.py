@@ -42,7 +42,7 @@ def test_a_mirror_is_stored_as_its_masters_piece_plus_the_rows_that_differ_and_r
     master goes when the last entry reading it does."""
     store = SessionStore(LAYERS, ROTATE)
     a = kv(64, seed=0)
-    assert store.save("A", lambda i: a[i], 64, [(b"P", 10, 30, False), (b"a-own", 0, 10, False)]) > 0
+    assert store.save("A", lambda i: a[i], 64, [(b"P", 10, 30), (b"a-own", 0, 10)]) > 0
     b = kv(80, seed=1)
     recomputed = {0: [0, 1, 2, 3, 4, 5, 13], 1: [0, 13], 2: [0, 13]}
     for layer, (keys, values) in enumerate(b):
@@ -50,7 +50,7 @@ def test_a_mirror_is_stored_as_its_masters_piece_plus_the_rows_that_differ_and_r
         values[40:60] = a[layer][1][10:30]
         for row in recomputed[layer]:
             keys[40 + row] += 1
-    added = store.save("B", lambda i: b[i], 80, [(b"P", 40, 60, False)])
+    added = store.save("B", lambda i: b[i], 80, [(b"P", 40, 60)])
     session = store.sessions["B"]
     assert sorted(map(tuple, session.diff_index.tolist())) == sorted((40 + r, i) for i in range(LAYERS) for r in recomputed[i])
     assert session.own_positions.tolist() == list(range(0, 40)) + list(range(60, 80))
@@ -87,9 +87,9 @@ def test_a_piece_captured_from_its_master_leaves_mirrors_only_the_rows_they_reco
             values[at:at + 20] = master[layer][1][10:30]
             keys[at] += 1  # its first token recomputed
         mirrors[agent] = held
-        store.save(agent, lambda i, held=held: held[i], 100, [(b"P", at, at + 20, False)])
+        store.save(agent, lambda i, held=held: held[i], 100, [(b"P", at, at + 20)])
         assert store.sessions[agent].diff_index[:, 0].unique().tolist() == [at]
-    store.save("master", lambda i: master[i], 40, [(b"P", 10, 30, False)])
+    store.save("master", lambda i: master[i], 40, [(b"P", 10, 30)])
     assert len(store.sessions["master"].diff_index) == 0 and store.masters[b"P"].holders == 3
     store.close_round(1)
     assert set(store.masters) == {b"P"}  # Q: captured, read by no entry
@@ -113,14 +113,14 @@ def test_a_piece_read_back_at_new_positions_is_rotated_once_and_saved_again_diff
         keys[50:70] = ROTATE(master[layer][0][10:30], torch.arange(10, 30), torch.arange(50, 70))
         values[50:70] = master[layer][1][10:30]
         keys[50] += 1  # recomputed
-    store.save("m", lambda i: held[i], 80, [(b"P", 50, 70, False)])
+    store.save("m", lambda i: held[i], 80, [(b"P", 50, 70)])
     keys, values = store.rows("m", 50, 70, at=torch.arange(90, 110))
     assert torch.equal(keys[1:], store._moved(store.masters[b"P"], slice(1, 20), torch.arange(91, 110)))
     assert torch.equal(keys[0, 0], ROTATE(held[0][0][50:51], torch.tensor([50]), torch.tensor([90]))[0])
     assert torch.equal(store.rows("m", 50, 70, at=torch.arange(50, 70))[0], store.rows("m", 50, 70)[0])
     before = kv(90, seed=9)
     after = [(torch.cat([before[i][0], keys[:, i]]), torch.cat([before[i][1], values[:, i]])) for i in range(LAYERS)]
-    store.save("m2", lambda i: after[i], 110, [(b"P", 90, 110, False)])
+    store.save("m2", lambda i: after[i], 110, [(b"P", 90, 110)])
     assert store.sessions["m2"].diff_index[:, 0].unique().tolist() == [90]
     twice = ROTATE(store.rows("m", 50, 70)[0][:, 1], torch.arange(50, 70), torch.arange(90, 110))
     assert not torch.equal(twice[1:], keys[1:, 1])  # the old way: a second rounding
@@ -142,7 +142,7 @@ def test_the_store_is_smaller_than_dense_as_more_agents_share_a_piece():
                 if agent:  # the first is the master: computed in full
                     keys[private:private + changed] += 1
             store.save(f"agent{agent}", lambda i, held=held: held[i], private + shared,
-                       [(b"own%d" % agent, 0, private, False), (b"shared", private, private + shared, False)])
+                       [(b"own%d" % agent, 0, private), (b"shared", private, private + shared)])
         dense = n * (private + shared) * LAYERS * 2 * HEADS * DIM * 2
         sizes[n] = dense / store.nbytes
     row = (private + changed) / (private + shared)
@@ -150,35 +150,21 @@ def test_the_store_is_smaller_than_dense_as_more_agents_share_a_piece():
     assert math.isclose(sizes[32], (private + shared) * 32 / (32 * private + shared + 31 * changed), rel_tol=1e-9)
 
 
-def test_a_piece_an_agent_computed_whole_keeps_only_the_ratios_share_of_rows_furthest_from_its_master():
+def test_a_piece_an_agent_computed_whole_is_kept_whole_and_read_back_bit_for_bit():
     """An agent that computed piece P itself (its first holder was not pinned) differs from P's
-    master in every row. At ratio 0.25 its entry keeps, per layer, the 5 of 20 rows furthest from
-    the master and reads the rest back as the master's; at ratio 1.0 it keeps every row, bit for
-    bit; a piece it copied keeps its recomputed rows whatever the ratio."""
+    master in every row: its entry keeps every (position, layer) row of P, so the restore the
+    scheduler issues as exact is exact, at any recompute ratio the agent ran."""
     master = kv(20, seed=11)
     held = kv(60, seed=12)
-    far = {0: [3, 7, 8, 12, 19], 1: [0, 1, 2, 3, 4], 2: [15, 16, 17, 18, 19]}
-    for layer, (keys, values) in enumerate(held):
-        keys[30:50] = ROTATE(master[layer][0], torch.arange(20), torch.arange(30, 50))
-        values[30:50] = master[layer][1]
-        keys[30:50] += 0.01  # computed in its own context: every row a little off
-        keys[[30 + r for r in far[layer]]] += 1  # and these far off
-    for ratio, computed in ((0.25, True), (1.0, True), (0.25, False)):
-        store = SessionStore(LAYERS, ROTATE)
-        store.save("master", lambda i: master[i], 20, [(b"P", 0, 20, False)])
-        store.save("a", lambda i: held[i], 60, [(b"P", 30, 50, computed)], ratio)
-        kept = sorted(map(tuple, store.sessions["a"].diff_index.tolist()))
-        keys, values = store.rows("a", 0, 60)
-        if ratio == 1.0 or not computed:
-            assert len(kept) == 20 * LAYERS
-            assert all(torch.equal(keys[:, i], held[i][0]) for i in range(LAYERS))
-            continue
-        assert kept == sorted((30 + r, i) for i in range(LAYERS) for r in far[i])
-        for layer in range(LAYERS):
-            near = [30 + r for r in range(20) if r not in far[layer]]
-            assert torch.equal(keys[near, layer], store._moved(store.masters[b"P"], slice(None), torch.arange(30, 50))[[n - 30 for n in near], layer])
-            assert torch.equal(keys[[30 + r for r in far[layer]], layer], held[layer][0][[30 + r for r in far[layer]]])
-            assert torch.equal(values[:, layer], torch.cat([held[layer][1][:30], master[layer][1], held[layer][1][50:]]))
+    for keys, values in held:
+        keys[30:50] = ROTATE(master[0][0], torch.arange(20), torch.arange(30, 50)) + 0.01  # its own context
+        values[30:50] = master[0][1]
+    store = SessionStore(LAYERS, ROTATE)
+    store.save("master", lambda i: master[i], 20, [(b"P", 0, 20)])
+    store.save("a", lambda i: held[i], 60, [(b"P", 30, 50)])
+    assert len(store.sessions["a"].diff_index) == 20 * LAYERS
+    keys, values = store.rows("a", 0, 60)
+    assert all(torch.equal(keys[:, i], held[i][0]) and torch.equal(values[:, i], held[i][1]) for i in range(LAYERS))
 
 
 def test_the_index_evicts_least_recently_used_agents_to_its_budget_but_never_a_pinned_one():
@@ -246,20 +232,3 @@ def test_a_mirror_claims_its_evicted_history_back_from_the_store():
         assert m.store_entry == f"{m.request_id}-1" and m.session_blocks == []
     assert counters["restored_tokens"] == sum(len(ids) + 2 for ids in first.values())
     assert counters.get("computed_tokens.history", 0) == len(second)  # each agent's last said token: no KV
-
-
-def test_a_piece_counts_as_computed_only_where_the_member_neither_held_nor_copied_it():
-    """A member's pieces, as its save marks them: those under vLLM's prefix hit (its history, held
-    from its previous turn) and those its loads copied are not computed, the others are; pieces
-    past what it saved are left out. (Marking held history as computed would cut a copied piece's
-    recomputed rows down to the ratio's share.)"""
-    from tokendance.vllm_plugin.plan import ReusedSpan
-    from tokendance.vllm_plugin.rounds import Piece
-    from tokendance.vllm_plugin.scheduler_side import pieces_to_save
-
-    pieces = [Piece(s, s + 10, b"k%d" % s) for s in range(0, 60, 10)]
-    loads = [ReusedSpan(30, 10, [1], 5)]
-    saved = pieces_to_save(pieces, 55, hit=15, loads=loads)
-    assert [(key, computed) for key, _, _, computed in saved] == [
-        (b"k0", False), (b"k10", False), (b"k20", True), (b"k30", False), (b"k40", True)]
-    assert [computed for *_, computed in pieces_to_save(pieces, 60, hit=0, loads=[])] == [True] * 6

@@ -19,20 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag, overlap
+from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
 from tokendance.vllm_plugin.store import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
-
-
-def pieces_to_save(pieces, length: int, hit: int, loads) -> list[tuple[bytes, int, int, bool]]:
-    """A finished member's pieces within its `length` saved tokens, as the store takes them: (key,
-    start, end, computed), `computed` where the member computed the piece rather than holding it
-    already (vLLM's prefix hit [0, hit): its history, as held before) or copying it (a span of its
-    `loads`)."""
-    copied = [(0, hit)] + [(span.start, span.start + span.length) for span in loads]
-    return [(p.key, p.start, p.end, not any(overlap(p.start, p.end, a, b) for a, b in copied))
-            for p in pieces if p.end <= length]
 
 
 class SchedulerSide:
@@ -262,11 +252,9 @@ class SchedulerSide:
         if (self.store_index is None or not (member.salt or member.tag.transparent) or length <= 0
                 or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
             return False
-        pieces = pieces_to_save(member.pieces, length, member.num_computed,
-                                self.book.loads_for(member) if member.loaded else [])
+        pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
         self.store_index.save((member.tag.namespace, member.tag.agent_id), member.salt,
-                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id,
-                              member.tag.recompute_ratio)
+                              list(request.all_token_ids[:length]), list(block_ids), pieces, request.request_id)
         return True
 
     def take_counters(self) -> dict[str, float]:

@@ -12,8 +12,9 @@ instead of recomputing it.
   positions, its own rows (what no piece covers: private text, its output) and, per layer, the rows
   of its pieces that differ from the master re-rotated to its positions (the tokens its mirror
   pass recomputed, the check layers, another master's encoding). A restore re-rotates the master
-  rows and overlays the diff rows: bit for bit the KV the agent held, except in a piece it
-  computed whole, of which only the recompute ratio's share of rows is kept apart (`save`).
+  rows and overlays the diff rows: bit for bit the KV the agent held, so a restore is exact (a
+  piece the agent computed whole, rather than copied, differs from its master in every row and is
+  kept whole).
 - `StoreIndex` (scheduler side, plain Python): which agents are stored under which salt, their
   bytes as the workers report them, pins (an entry is read by a claim in flight), and the
   least-recently-used evictions that keep the store within its budget. The scheduler decides,
@@ -22,7 +23,6 @@ instead of recomputing it.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -115,16 +115,15 @@ class SessionStore:
         return freed
 
     def save(self, entry: str, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], length: int,
-             pieces: Sequence[tuple[bytes, int, int, bool]], ratio: float = 1.0) -> int:
+             pieces: Sequence[tuple[bytes, int, int]]) -> int:
         """Store an agent's KV: `read(layer)` gives its rows [0, length) ([length, H, D] keys and
-        values); `pieces` (key, start, end, computed) are its prompt's pieces, `computed` where the
-        agent computed the piece itself rather than copying it. Returns the bytes it added.
+        values); `pieces` (key, start, end) are its prompt's pieces. Returns the bytes it added.
 
-        A piece copied from a master differs from it only in the rows the pass recomputed: those
-        are kept, and the agent is read back bit for bit. A piece the agent computed whole (its
-        first holder could not be pinned, its claim was refused) differs in every row: of those,
-        per layer, the `ratio` share furthest from the master is kept (the agent's recompute ratio),
-        and the rest is read back as the master's: what copying it at that ratio would have left."""
+        Every (position, layer) row that differs from the master re-rotated to the agent's
+        positions is kept, so the agent is read back bit for bit: a restore is exact, and the
+        scheduler issues it as such. A piece copied from a master differs only in the rows the
+        pass recomputed; one the agent computed whole (its first holder could not be pinned, its
+        claim was refused) differs in every row and costs its full size."""
         before = self.nbytes
         self.drop(entry)
         layers = [read(index) for index in range(self.num_layers)]
@@ -134,7 +133,7 @@ class SessionStore:
         covered = torch.zeros(length, dtype=torch.bool)
         changed = torch.zeros(length, self.num_layers, dtype=torch.bool)  # (position, layer) unlike the master
         refs = []
-        for key, start, end, computed in pieces:
+        for key, start, end in pieces:
             end = min(end, length)
             if end - start < self.min_piece_tokens or covered[start:end].any():
                 continue
@@ -149,8 +148,6 @@ class SessionStore:
                 moved = self._moved(master, slice(None), torch.arange(start, end))
                 changed[start:end] = ((moved != keys[start:end]).flatten(2).any(2)
                                       | (master.values != values[start:end]).flatten(2).any(2))
-                if computed and ratio < 1:
-                    changed[start:end] &= furthest(moved - keys[start:end], master.values - values[start:end], ratio)
             master.holders += 1
             refs.append((key, start, end - start))
             covered[start:end] = True
@@ -221,14 +218,6 @@ class SessionStore:
         return freed
 
 
-def furthest(key_error: torch.Tensor, value_error: torch.Tensor, ratio: float) -> torch.Tensor:
-    """[n, L]: per layer, the `ratio` share of n rows (at least one) whose K and V errors
-    ([n, L, H, D] each) are largest."""
-    distance = key_error.float().square().flatten(2).sum(2) + value_error.float().square().flatten(2).sum(2)
-    keep = min(len(distance), max(1, math.ceil(ratio * len(distance))))
-    return torch.zeros_like(distance, dtype=torch.bool).scatter_(0, distance.topk(keep, dim=0).indices, True)
-
-
 @dataclass
 class StoredAgent:
     """What the scheduler knows of an agent's entry: the request that saved it (its name in the
@@ -251,8 +240,7 @@ class SaveOrder:
     entry: str
     block_ids: list[int]
     length: int
-    pieces: list[tuple[bytes, int, int, bool]] = field(default_factory=list)
-    recompute_ratio: float | None = None  # the agent's (None: the connector's): what a piece it computed keeps
+    pieces: list[tuple[bytes, int, int]] = field(default_factory=list)  # (key, start, end)
 
 
 class StoreIndex:
@@ -277,7 +265,7 @@ class StoreIndex:
         self.counters: dict[str, int] = {}
 
     def save(self, agent: tuple[str, str], salt: str | None, token_ids: list[int], block_ids: list[int],
-             pieces: list[tuple[bytes, int, int, bool]], entry: str, recompute_ratio: float | None = None) -> None:
+             pieces: list[tuple[bytes, int, int]], entry: str) -> None:
         """A request of `agent` finished: its KV replaces the agent's entry once saved."""
         old = self.latest.pop(agent, None)
         if old is not None:
@@ -286,7 +274,7 @@ class StoreIndex:
         stored = StoredAgent(entry, salt, list(token_ids), int(len(token_ids) * self.bytes_per_token * self.ratio))
         self.latest[agent] = self.entries[entry] = stored
         self.total_bytes += stored.nbytes
-        self.orders.append(SaveOrder(entry, list(block_ids), len(token_ids), pieces, recompute_ratio))
+        self.orders.append(SaveOrder(entry, list(block_ids), len(token_ids), pieces))
 
     def find(self, agent: tuple[str, str], salt: str | None) -> StoredAgent | None:
         """The agent's saved entry under this salt (a hit refreshes it), or None."""

@@ -140,8 +140,7 @@ class WorkerSide:
             try:
                 store, layouts = self._store(), self._pass().layouts
                 slots = self._pass()._slots(order.block_ids, 0, order.length)
-                ratio = self.settings.recompute_ratio if order.recompute_ratio is None else order.recompute_ratio
-                store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces, ratio)
+                store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces)
                 self.saved[order.entry] = store.sessions[order.entry].nbytes
             except Exception:
                 self._failed("save", 1)
