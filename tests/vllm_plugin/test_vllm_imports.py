@@ -1,5 +1,7 @@
 """What the plugin's modules load, each imported in a fresh interpreter: the package (imported by
-every vLLM process) loads no engine, neither torch nor vLLM."""
+every vLLM process) loads no engine, neither torch nor vLLM; the scheduler side (in vLLM's engine
+core, plain Python over what vLLM hands it) and the plan it sends the workers load neither torch
+nor vLLM."""
 
 from __future__ import annotations
 
@@ -19,7 +21,12 @@ def loaded_modules(module: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["tokendance.vllm_plugin"])
-def test_imports_neither_torch_nor_vllm_nor_the_engine(module):
-    modules = loaded_modules(module)
+def test_the_package_imports_neither_torch_nor_vllm_nor_the_engine():
+    modules = loaded_modules("tokendance.vllm_plugin")
     assert {"torch", "vllm", "tokendance.llm", "tokendance.engine"} & modules == set()
+
+
+@pytest.mark.parametrize("module", ["tokendance.vllm_plugin.scheduler_side", "tokendance.vllm_plugin.plan"])
+def test_the_scheduler_side_imports_neither_torch_nor_vllm(module):
+    modules = loaded_modules(module)
+    assert {"torch", "vllm"} & modules == set()

@@ -5,7 +5,8 @@ from the engine core to the workers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from tokendance.vllm_plugin.store_index import SaveOrder
 
 
 @dataclass
@@ -61,7 +62,7 @@ class StepOrders:
 
     loads: list[MirrorLoad] = field(default_factory=list)
     budget: float = 0
-    saves: list[Any] = field(default_factory=list)  # store.SaveOrder
+    saves: list[SaveOrder] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)
     closes: list[int] = field(default_factory=list)
     failed: list[tuple[str, list[int]]] = field(default_factory=list)

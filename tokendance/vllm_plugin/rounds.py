@@ -31,7 +31,7 @@ from tokendance.registry import MAX_ANCHORS, valid_anchors
 from tokendance.reuse.planning import choose_anchors
 from tokendance.reuse.segments import segment_key
 from tokendance.vllm_plugin.plan import ReusedSpan
-from tokendance.vllm_plugin.store import StoreIndex
+from tokendance.vllm_plugin.store_index import StoreIndex
 
 
 class RoundParamsError(ValueError):

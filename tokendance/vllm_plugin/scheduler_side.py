@@ -2,7 +2,7 @@
 mirrors until their masters are computed, pins the blocks their claims read (masters', first
 holders', the agent's previous request's), claims each member's range and tells the workers, step
 by step, what to fill (`StepOrders`); with the session store, it keeps the store's index
-(`store.py`) and orders its saves and drops.
+(`store_index.py`) and orders its saves and drops.
 
 Plain Python over the objects vLLM hands a connector (requests, the block pool, the KV cache
 manager, the scheduler's output): no vLLM import, so it runs without vLLM.
@@ -20,7 +20,7 @@ from typing import Any
 
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
 from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
-from tokendance.vllm_plugin.store import StoreIndex
+from tokendance.vllm_plugin.store_index import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
 

@@ -19,7 +19,8 @@ import torch
 
 from tokendance.vllm_plugin import handoff
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.store import RestoreError, SaveOrder, SessionStore
+from tokendance.vllm_plugin.store import RestoreError, SessionStore
+from tokendance.vllm_plugin.store_index import SaveOrder
 
 logger = logging.getLogger("tokendance.vllm")
 
