@@ -8,8 +8,19 @@ protocol) imports without one.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-# Each public name and the module that defines it.
+if TYPE_CHECKING:  # what type checkers and the API reference (docs/python-api.md) read
+    from tokendance.config import EngineConfig
+    from tokendance.engine.round_stats import RoundStats
+    from tokendance.engine.rounds import RoundResult
+    from tokendance.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError, TokenDanceError
+    from tokendance.llm import LLM
+    from tokendance.outputs import RequestOutput
+    from tokendance.reuse.segments import AgentTurn, Segment
+    from tokendance.sampling import SamplingParams
+
+# Each public name and the module that defines it (the imports above, made on first use).
 _EXPORTS = {
     "LLM": "tokendance.llm",
     "SamplingParams": "tokendance.sampling",
