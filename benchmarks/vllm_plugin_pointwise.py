@@ -31,7 +31,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from tokendance.model.platform import probe_cpu
-    from tokendance.vllm_plugin import worker
+    from tokendance.vllm_plugin import mirror_pass
     from tokendance.vllm_plugin.model_folder import default_model_folder
     from tokendance.workloads import make_workload
 
@@ -46,7 +46,7 @@ def main() -> int:
                                                   return_dict=True)["input_ids"]) for t in turns]
 
     spent = [0.0]  # the passes' wall time (vLLM's in-process metrics reader keeps counters whole)
-    steps = worker.MirrorPass.steps
+    steps = mirror_pass.MirrorPass.steps
 
     def timed(self, loads):  # the time inside each of the pass's steps
         inner = steps(self, loads)
@@ -60,7 +60,7 @@ def main() -> int:
             spent[0] += time.perf_counter() - started
             yield cost
 
-    worker.MirrorPass.steps = timed
+    mirror_pass.MirrorPass.steps = timed
 
     def pass_seconds() -> float:
         return spent[0]
@@ -73,15 +73,15 @@ def main() -> int:
         llm.generate(requests, params, use_tqdm=False)
         return pass_seconds() - before, time.perf_counter() - started
 
-    fused = worker.fused_pointwise
+    fused = mirror_pass.fused_pointwise
     modes = {"vLLM's native ops": lambda *args: contextlib.nullcontext(), "engine's kernels": fused}
     one_round("warm")
     results = {name: [] for name in modes}
     for repeat in range(args.repeats):
         for name, norms in modes.items():
-            worker.fused_pointwise = norms
+            mirror_pass.fused_pointwise = norms
             results[name].append(one_round(f"{name[:6]}-{repeat}"))
-    worker.fused_pointwise = fused
+    mirror_pass.fused_pointwise = fused
     print(f"generative-agents N={args.agents} round 1, {dtype}, CPU {cpu.describe()}: best of {args.repeats}")
     for name, runs in results.items():
         print(f"{name:>22}: " + ", ".join(f"pass {p:.2f} s / round {w:.2f} s" for p, w in runs))

@@ -285,7 +285,7 @@ def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm
     from tokendance.vllm_plugin import handoff
     from tokendance.vllm_plugin.rounds import RoundBook
     from tokendance.vllm_plugin.store import SessionStore
-    from tokendance.vllm_plugin.worker import MirrorPass
+    from tokendance.vllm_plugin.mirror_pass import MirrorPass
 
     def fail(*args, **kwargs):
         raise RuntimeError("injected by the test")

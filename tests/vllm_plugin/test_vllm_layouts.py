@@ -97,7 +97,7 @@ def test_rotated_keys_equal_keys_computed_at_the_new_position(name):
     rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from tokendance.vllm_plugin.worker import KeyRotator
+    from tokendance.vllm_plugin.mirror_pass import KeyRotator
 
     with set_current_vllm_config(VllmConfig()):
         rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES[name], dtype=torch.float32)
@@ -121,7 +121,7 @@ def test_anchor_sources_read_the_mean_of_their_encodings_at_the_readers_position
     rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from tokendance.vllm_plugin.worker import KeyRotator, Sources
+    from tokendance.vllm_plugin.mirror_pass import KeyRotator, Sources
 
     with set_current_vllm_config(VllmConfig()):
         rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES["default"], dtype=torch.float32)

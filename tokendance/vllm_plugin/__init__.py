@@ -6,7 +6,7 @@ reuse for agent rounds. Installed with the package (entry points `vllm.general_p
 
 `register` runs in every vLLM process: it registers the connector's name and installs the model
 hand-off (`handoff.py`). The connector is in `connector.py`, the round planning in `rounds.py`, the
-worker's pass in `worker.py`, the KV layouts in `layouts.py`.
+worker's pass in `mirror_pass.py`, the KV layouts in `layouts.py`.
 """
 
 CONNECTOR_NAME = "TokenDanceConnector"

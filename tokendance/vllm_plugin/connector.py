@@ -20,7 +20,7 @@ Split by role, as vLLM's larger connectors are: this facade, the scheduler side 
 (`scheduler_side.py`: the round book of `rounds.py` holds mirrors until their masters are computed,
 pins the blocks claims read and claims each member's range; plain Python, no vLLM import), the
 worker side in each worker (`worker_side.py`: one pass over the mirrors admitted in a step, before
-vLLM's forward, `worker.py`; the session store's work), and what passes between them (`plan.py`).
+vLLM's forward, `mirror_pass.py`; the session store's work), and what passes between them (`plan.py`).
 Whatever it cannot do (a model, layout or config it does not know, a master gone, a timeout) is
 computed by vLLM exactly, and so is whatever fails on either side: such a failure is counted
 (`mirrors_failed{reason}`) and logged, and never stops the engine or fails a request. The workers

@@ -75,7 +75,7 @@ def layouts(vllm_config, kv_caches: dict) -> list:
     """The layout of each decoder layer's KV cache, in layer order; UnsupportedModel if one has
     no reader here."""
     from tokendance.vllm_plugin.layouts import find_layout
-    from tokendance.vllm_plugin.worker import UnsupportedModel
+    from tokendance.vllm_plugin.mirror_pass import UnsupportedModel
 
     context = vllm_config.compilation_config.static_forward_context
     block_size = vllm_config.cache_config.block_size

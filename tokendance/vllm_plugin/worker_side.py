@@ -1,6 +1,6 @@
 """The connector's worker side, in each of vLLM's workers: runs the steps' orders (`StepOrders`)
 from the scheduler side, in order: the session store's saves, drops and closed rounds, then the
-mirrors' passes (`worker.py`), one per step, whole or advanced by the step's budget; reports what
+mirrors' passes (`mirror_pass.py`), one per step, whole or advanced by the step's budget; reports what
 ended (`get_finished`), what failed (load errors) and what the store holds.
 
 Nothing that fails here stops vLLM's engine or fails a request: `_failed` counts the failure by
@@ -54,7 +54,7 @@ class WorkerSide:
 
     def _pass(self):
         if self.mirror_pass is None:
-            from tokendance.vllm_plugin.worker import MirrorPass
+            from tokendance.vllm_plugin.mirror_pass import MirrorPass
 
             self.mirror_pass = MirrorPass(handoff.model(), handoff.layouts(self.vllm_config, self.kv_caches),
                                           self.block_size, self.settings.selection, self.settings.recompute_ratio,
