@@ -1,8 +1,13 @@
 """The round protocol both front doors speak, `tokendance serve` and `vllm serve` with the plugin:
 the round fields of a chat request (`agent_id`, `round_id`, `round_size`, `cache_salt`) and
 `POST /v1/rounds`: their limits, what a round refuses, whose cache salt an agent's turn takes, and
-the shape of the answer. Plain Python, no server: each front door validates with it and builds
-its answer with it."""
+the shape of the answer. Plain Python, no server.
+
+Every rule on a round field or a round's shape is written here once: `check_chat_fields`,
+`check_completion_fields` and `check_round_request` read a request's JSON body before anything
+else does (the server's pydantic models call them before they read the body; the plugin's
+endpoint calls them on vLLM's body), and refuse one mistake at a time with a `RoundFieldError`
+naming its field, which each door answers as its 400."""
 
 from __future__ import annotations
 
@@ -18,6 +23,112 @@ ROUND_FIELDS = ("agent_id", "round_id", "round_size")
 # Fields a /v1/rounds request (or one of its agents) does not serve; it never ignores them silently
 # (and n must be 1). Its round is the request itself: no round_id or round_size of the client's.
 REFUSED = ("tools", "tool_choice", "stream", "logprobs", "top_logprobs", "prompt_logprobs", "round_id", "round_size")
+# Agent ids the servers give agents of their own (the plugin's gathered conversations and round
+# members without an agent_id): a client's agent may not take one, whichever door it uses.
+RESERVED_AGENT_PREFIXES = ("conversation-", "anonymous-")
+# The answer's `stats`, the same fields through both doors; a figure a door cannot know is null.
+STATS_FIELDS = ("mode", "num_agents", "num_waves", "round_seconds", "prefill_seconds", "prompt_tokens",
+                "computed_tokens", "reused_tokens", "kv_bytes_per_agent", "compression", "shared_compression",
+                "diff_blocks", "repeated_replies")
+
+
+class RoundFieldError(Exception):
+    """A round field or a round's shape that a front door refuses with a 400: the message, the field
+    it names (`param`, dotted as `agents.1.cache_salt`; None: the body) and the error code.
+    Not a ValueError, so that raised inside a pydantic validator it reaches the server unchanged."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_chat_fields(body: Any) -> None:
+    """A chat request's round fields (a body that is no JSON object is left to the door)."""
+    if not isinstance(body, Mapping):
+        return
+    _check_text(body, "cache_salt", MAX_SALT_CHARS)
+    _check_agent_id(body, "", required=False)
+    _check_text(body, "round_id", MAX_ID_CHARS)
+    size = body.get("round_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_AGENTS):
+        raise RoundFieldError(f"round_size must be an integer in [1, {MAX_AGENTS}]", "round_size")
+    if size is not None and body.get("round_id") is None:
+        raise RoundFieldError("round_size needs a round_id (it counts the turns of a declared round)", "round_size")
+    if body.get("agent_id") is None and body.get("round_id") is None:
+        return
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise RoundFieldError("n must be 1 for an agent's turn (agent_id, round_id)", "n")
+    if body.get("prompt_logprobs") is not None:
+        raise RoundFieldError("prompt_logprobs is not served in rounds (agent_id, round_id)", "prompt_logprobs",
+                              "unsupported_parameter")
+
+
+def check_completion_fields(body: Any) -> None:
+    """A completion's: no round field (rounds are declared on chat requests), a well-formed salt."""
+    if not isinstance(body, Mapping):
+        return
+    name = next((n for n in ROUND_FIELDS if body.get(n) is not None), None)
+    if name is not None:
+        raise RoundFieldError(completion_refusal(name), name, "unsupported_parameter")
+    _check_text(body, "cache_salt", MAX_SALT_CHARS)
+
+
+def check_round_request(body: Any) -> None:
+    """A /v1/rounds body: 1 to MAX_AGENTS agents, each an object with a distinct agent_id and a
+    non-empty messages list; no refused field and n 1, in the round and in each agent; well-formed
+    salts; an agent's model, if any, the round's. The messages themselves are each door's."""
+    if not isinstance(body, Mapping):
+        raise RoundFieldError("the body must be a JSON object", None)
+    agents = body.get("agents")
+    if not isinstance(agents, list) or not 0 < len(agents) <= MAX_AGENTS:
+        raise RoundFieldError(f"agents must be a list of 1 to {MAX_AGENTS} agents ({{agent_id, messages}})", "agents")
+    _check_turn(body, "")
+    for i, agent in enumerate(agents):
+        prefix = f"agents.{i}."
+        if not isinstance(agent, Mapping):
+            raise RoundFieldError(f"agents.{i} must be an object {{agent_id, messages}}", f"agents.{i}")
+        _check_agent_id(agent, prefix, required=True)
+        messages = agent.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RoundFieldError(f"{prefix}messages must be a non-empty list", f"{prefix}messages")
+        _check_turn(agent, prefix)
+        if agent.get("model") is not None and agent["model"] != body.get("model"):
+            raise RoundFieldError("model cannot differ per agent: a round runs on the request's model",
+                                  f"{prefix}model", "unsupported_parameter")
+    agent_ids = [agent["agent_id"] for agent in agents]
+    if len(set(agent_ids)) != len(agent_ids):
+        raise RoundFieldError("agent ids of a round must be distinct", "agents")
+
+
+def _check_turn(fields: Mapping, prefix: str) -> None:
+    """What a round and each of its agents share: no refused field, n 1, a well-formed salt."""
+    name = refused_field(fields)
+    if name is not None:
+        raise RoundFieldError(refusal(name), prefix + name, "unsupported_parameter")
+    if fields.get("n") not in (None, 1) or isinstance(fields.get("n"), bool):
+        raise RoundFieldError("n must be 1 in a round (one turn per agent)", f"{prefix}n", "unsupported_parameter")
+    _check_text(fields, "cache_salt", MAX_SALT_CHARS, prefix)
+
+
+def _check_agent_id(fields: Mapping, prefix: str, required: bool) -> None:
+    agent_id = fields.get("agent_id")
+    if agent_id is None and required:
+        raise RoundFieldError(f"{prefix}agent_id is required (it names the agent's session)", f"{prefix}agent_id")
+    _check_text(fields, "agent_id", MAX_ID_CHARS, prefix)
+    if agent_id is not None and agent_id.startswith(RESERVED_AGENT_PREFIXES):
+        raise RoundFieldError(f"{prefix}agent_id may not start with {' or '.join(RESERVED_AGENT_PREFIXES)}: the "
+                              "server names its own agents so", f"{prefix}agent_id")
+
+
+def _check_text(fields: Mapping, name: str, limit: int, prefix: str = "") -> None:
+    """`name`, if given, a string of 1 to `limit` characters."""
+    value = fields.get(name)
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= limit):
+        raise RoundFieldError(f"{prefix}{name} must be a string of 1 to {limit} characters", prefix + name)
 
 
 def refused_field(fields: Mapping[str, Any]) -> str | None:
@@ -55,20 +166,42 @@ def turn_salt(round_salt: str | None, agent_salt: str | None) -> str | None:
     return agent_salt if agent_salt is not None else round_salt
 
 
-def sum_usage(usages: list[Mapping[str, Any]]) -> dict:
-    """A round's usage: its agents' token counts summed, cached tokens in `prompt_tokens_details`
-    as a chat answer has them."""
-    prompt = sum(u.get("prompt_tokens") or 0 for u in usages)
-    completion = sum(u.get("completion_tokens") or 0 for u in usages)
-    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+def turn_usage(prompt: int | None, completion: int | None, cached: int | None) -> dict:
+    """One agent's usage as a chat answer has it (cached tokens in `prompt_tokens_details`); null:
+    a count the server did not report."""
+    total = None if prompt is None or completion is None else prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def round_answer(round_id: str, model: str, outputs: list[dict], stats: dict, **round_info) -> dict:
-    """The answer to /v1/rounds: `outputs`, one per agent in the request's order ({agent_id,
-    message, finish_reason, usage}, and `error` for an agent that failed), `round` ({round_id,
-    num_agents} and what the server adds), their `usage` summed, and the server's `stats`."""
+def sum_usage(usages: list[Mapping[str, Any]]) -> dict:
+    """A round's usage: its agents' token counts summed (a count not reported counts 0)."""
+    return turn_usage(sum(u.get("prompt_tokens") or 0 for u in usages),
+                      sum(u.get("completion_tokens") or 0 for u in usages),
+                      sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages))
+
+
+def agent_output(agent_id: str, content: str, finish_reason: str | None, usage: Mapping[str, Any],
+                 failure: str | None = None) -> dict:
+    """One agent's entry of a round's answer. An agent whose computation failed (`failure`: why)
+    carries its error and finish_reason "error" while the others carry their replies: a round
+    answers 200 unless the request itself is refused."""
+    entry = {"agent_id": agent_id, "message": {"role": "assistant", "content": content},
+             "finish_reason": "error" if failure is not None else finish_reason, "usage": dict(usage)}
+    if failure is not None:
+        entry["error"] = {"message": f"the engine failed on this agent ({failure})", "type": "server_error",
+                          "param": None, "code": "agent_failed"}
+    return entry
+
+
+def round_answer(round_id: str, model: str, outputs: list[dict], stats: Mapping[str, Any],
+                 index: int | None = None) -> dict:
+    """The answer to /v1/rounds: `outputs`, one per agent in the request's order (`agent_output`),
+    `round` ({round_id, num_agents, index}: the server's count of rounds, null where it keeps
+    none), their `usage` summed, and `stats` with every field of STATS_FIELDS (null where the door
+    cannot know it). `model`: the server's configured model name."""
+    assert set(stats) <= set(STATS_FIELDS), set(stats) - set(STATS_FIELDS)
     return {"id": round_id, "object": "round", "created": int(time.time()), "model": model,
-            "round": {"round_id": round_id, "num_agents": len(outputs), **round_info},
-            "outputs": outputs, "usage": sum_usage([o["usage"] for o in outputs]), "stats": stats}
+            "round": {"round_id": round_id, "num_agents": len(outputs), "index": index},
+            "outputs": outputs, "usage": sum_usage([o["usage"] for o in outputs]),
+            "stats": {name: stats.get(name) for name in STATS_FIELDS}}

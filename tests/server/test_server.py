@@ -348,7 +348,7 @@ BAD_CHATS = [  # (fields replacing the defaults, status, expected param, expecte
     ({"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
     ({"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", "invalid_value"),
     ({"best_of": 3}, 400, "best_of", "unsupported_parameter"),
-    ({"round_size": 3}, 400, "round_size", None),
+    ({"round_size": 3}, 400, "round_size", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context_length_exceeded"),
     # values the sampler or tokenizer cannot take, and loose types OpenAI rejects
     ({"temperature": 1e308}, 400, "temperature", "invalid_value"),

@@ -5,8 +5,10 @@ the gatherer; no server needed (the middleware is driven as ASGI)."""
 import asyncio
 import json
 
-from tokendance.vllm_plugin.endpoint import FieldError, RoundFields, connector_settings, tag_body
-from tokendance.vllm_plugin.gathering import Gathering, RecentReplies, conversation_id, reply_texts
+from tokendance.round_protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
+from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings, tag_body
+from tokendance.vllm_plugin.gathering import (SERVER_AGENT_PREFIXES, Gathering, RecentReplies, conversation_id,
+                                              reply_texts)
 
 SAID = ["Abigail thinks the library should stay open until nine every evening.",
         "Viktor wants the broken bridge repaired before the winter festival begins.",
@@ -251,25 +253,26 @@ def test_a_client_cannot_write_a_gathered_members_tag():
     body = {**turn("Abigail", [0]), "kv_transfer_params": {"tokendance": tag}, "cache_salt": "s"}
     try:
         tag_body(body)
-    except FieldError as exc:
+    except RoundFieldError as exc:
         assert exc.param == "kv_transfer_params.tokendance" and "transparent" in str(exc)
     else:
         raise AssertionError("a client-written transparent tag was accepted")
 
 
 def test_a_client_cannot_name_its_agent_as_the_server_names_conversations():
+    assert set(SERVER_AGENT_PREFIXES) <= set(RESERVED_AGENT_PREFIXES)  # the round protocol refuses what it names
     for name in ("conversation-0123", "anonymous-x"):
         for extra in ({"agent_id": name}, {"agent_id": name, "round_id": "r", "round_size": 2}):
             try:
                 tag_body(turn("Abigail", [0], **extra))
-            except FieldError as exc:
+            except RoundFieldError as exc:
                 assert exc.param == "agent_id" and "conversation-" in str(exc)
             else:
                 raise AssertionError(f"agent_id {name!r} was accepted")
     tag = {"round_id": "r", "agent_id": "conversation-0123", "round_size": 2}
     try:
         tag_body({**turn("Abigail", [0]), "kv_transfer_params": {"tokendance": tag}, "cache_salt": "s"})
-    except FieldError as exc:
+    except RoundFieldError as exc:
         assert exc.param == "kv_transfer_params.tokendance" and "conversation-" in str(exc)
     else:
         raise AssertionError("a client-written tag naming a conversation was accepted")

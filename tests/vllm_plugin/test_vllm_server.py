@@ -1,7 +1,8 @@
 """`vllm serve` with the plugin, through the official openai client: the endpoint plugin's
 `/v1/rounds` and round fields on chat requests (tokendance serve's API) reach the connector, at
-recompute ratio 1.0 a round answers exactly what plain chat requests answer, and `tokendance bench
---target` reads the session store's gauges."""
+recompute ratio 1.0 a round answers exactly what plain chat requests answer, `tokendance bench
+--target` reads the session store's gauges, and the round protocol's contract: the same requests,
+good and bad, answered alike by `tokendance serve` and by vLLM with the plugin."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 import openai  # noqa: E402
 
+from tests.helpers import kv_bytes, serving  # noqa: E402
 from tests.vllm_plugin.conftest import generative_agents  # noqa: E402
 
 MODEL = "smollm2"
@@ -58,6 +60,22 @@ def server(model_folder):
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     process.terminate()
     process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def serve(model_weights):
+    """`tokendance serve`, the other front door, for the contract test."""
+    yield from serving("--gather-window-ms", "0", "--kv-cache-bytes", kv_bytes(2912))
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON body) of a POST, whatever its status."""
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
 
 
 def prometheus(client) -> dict[str, float]:
@@ -179,6 +197,63 @@ def test_malformed_round_fields_are_refused_with_their_field(server):
         with pytest.raises(openai.BadRequestError) as refused:
             chat(server, messages, **extra)
         assert refused.value.body["param"] == param
+
+
+def answer_shape(answer: dict) -> dict:
+    """The keys of a /v1/rounds answer, level by level."""
+    outputs = answer["outputs"]
+    return {"answer": sorted(answer), "round": sorted(answer["round"]), "stats": sorted(answer["stats"]),
+            "usage": sorted(answer["usage"]), "details": sorted(answer["usage"]["prompt_tokens_details"]),
+            "outputs": [sorted(o) for o in outputs], "messages": [sorted(o["message"]) for o in outputs],
+            "agent_usage": [sorted(o["usage"]) for o in outputs]}
+
+
+HI = [{"role": "user", "content": "Say hi."}]
+CONTRACT = [  # (path, body without its model, compare the whole error: a round protocol rule, else status and param)
+    ("/v1/chat/completions", {"messages": HI, "agent_id": ""}, True),
+    ("/v1/chat/completions", {"messages": HI, "agent_id": "anonymous-1"}, True),
+    ("/v1/chat/completions", {"messages": HI, "agent_id": "a", "round_size": 2}, True),
+    ("/v1/chat/completions", {"messages": HI, "round_id": "r", "round_size": 4097}, True),
+    ("/v1/chat/completions", {"messages": HI, "cache_salt": "x" * 1025}, True),
+    ("/v1/chat/completions", {"messages": HI, "agent_id": "a", "n": 2}, True),
+    ("/v1/completions", {"prompt": "hi", "round_id": "r"}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI}] * 2}, True),
+    ("/v1/rounds", {"agents": [{"messages": HI}]}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI}], "stream": True}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI, "tools": [{"type": "function"}]}]}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI, "model": "other"}]}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI}], "round_id": "mine"}, True),
+    ("/v1/rounds", {"agents": [{"agent_id": "a", "messages": HI}], "model": "no-such-model"}, False),
+]
+
+
+def test_round_protocol_contract_both_front_doors_answer_alike(server, serve):
+    """The contract: the same requests to `tokendance serve` and to vLLM with the plugin. A round
+    answers in the same shape, under each server's configured model name; each mistake in a round
+    field or a round's shape gets the same 400 (message, type, param, code); a wrong model the same
+    status, naming the same field."""
+    vllm_url = str(server.base_url).rstrip("/").removesuffix("/v1")
+    doors = ((serve.url, serve.model), (vllm_url, MODEL))
+    turns = [{"agent_id": f"contract-{i}", "messages": [{"role": "system", "content": f"You are villager {i}."},
+                                                        *HI]} for i in range(2)]
+    answers = [post(url, "/v1/rounds", {"model": model, "agents": turns, "max_tokens": 3, "temperature": 0,
+                                        "cache_salt": "contract"}) for url, model in doors]
+    assert [status for status, _ in answers] == [200, 200], answers
+    (_, ours), (_, theirs) = answers
+    assert answer_shape(ours) == answer_shape(theirs)
+    assert [ours["model"], theirs["model"]] == [serve.model, MODEL]
+    for answer in (ours, theirs):
+        assert answer["id"] == answer["round"]["round_id"] and answer["round"]["num_agents"] == 2
+        assert [o["agent_id"] for o in answer["outputs"]] == ["contract-0", "contract-1"]
+        assert answer["stats"]["num_agents"] == 2 and answer["usage"]["prompt_tokens"] > 0
+    assert theirs["stats"]["computed_tokens"] is None  # the plugin cannot know it: null, not left out
+    for path, body, whole in CONTRACT:
+        (status, error), (vllm_status, vllm_error) = (post(url, path, {"model": model, **body}) for url, model in doors)
+        assert status == vllm_status != 200, (path, body, error, vllm_error)
+        if whole:
+            assert error == vllm_error, (path, body)
+        else:
+            assert error["error"]["param"] == vllm_error["error"]["param"], (path, body, error, vllm_error)
 
 
 def test_a_clients_own_round_tag_is_checked_on_v1_messages(server):

@@ -169,16 +169,10 @@ class Api:
         return response_body(key, body, int(time.time()), final_status(output), output_items(output, tools), output)
 
     async def _start_chat(self, body: ChatCompletionRequest, request: Request, key: str):
-        """Validate a chat request and hand it to the engine thread: (sink, params, tools)."""
+        """Validate a chat request (its round fields are, as it was read) and hand it to the engine
+        thread: (sink, params, tools)."""
         body.check_supported()
         self.admission.claim(request.scope, body.n)
-        if body.round_size is not None and body.round_id is None:
-            raise ApiError(400, "round_size needs a round_id", param="round_size")
-        if body.n > 1 and (body.agent_id or body.round_id):
-            raise ApiError(400, "n must be 1 for an agent's turn (agent_id, round_id)", param="n")
-        if body.prompt_logprobs is not None and (body.agent_id or body.round_id):
-            raise ApiError(400, "prompt_logprobs is not served in rounds (agent_id, round_id)",
-                           param="prompt_logprobs", code="unsupported_parameter")
         tools = body.tool_set(self.tool_format)
         structured, structured_param = body.structured_output()
         if tools is not None and tools.forced:
@@ -236,12 +230,11 @@ class Api:
         return completion_response(key, self.config.model_name, outputs, n, self._token_text, self._hidden)
 
     async def rounds(self, body: RoundRequest, request: Request):
-        """A whole round in one request: every agent's reply and the round's statistics."""
+        """A whole round in one request (its shape checked as it was read): every agent's reply and
+        the round's statistics."""
         started = time.perf_counter()
         self._check(body)
         agent_ids = [a.agent_id for a in body.agents]
-        if len(set(agent_ids)) != len(agent_ids):
-            raise ApiError(400, "agent ids of a round must be distinct", param="agents")
         self.admission.claim(request.scope, len(agent_ids))
         key, namespace = f"round-{uuid.uuid4().hex}", _namespace(request, body.cache_salt)
         sink = Sink(key, len(agent_ids), wants_stats=True)
@@ -271,8 +264,7 @@ class Api:
                                   namespace=agent_namespace, agent_id=agent.agent_id))
         self.loop.submit(RoundJob(turns))
         outputs = await self._collect(request, sink, started)
-        info = {k: v for k, v in sink.round_info[0].items() if k != "agent_id"}
-        return round_response(key, self.config.model_name, agent_ids, outputs, info, sink.stats)
+        return round_response(key, self.config.model_name, agent_ids, outputs, sink.round_info[0]["index"], sink.stats)
 
     # ------------------------------------------------------------ helpers
 

@@ -1,18 +1,19 @@
 """Request bodies of the OpenAI-compatible API (plus the round extension); their replies are
 `server/replies.py`.
 
-Validation happens in two layers: pydantic checks presence and types (a 400 naming the field),
-`SamplingParams` and the engine check values (a 400 naming the field, or a code such as
-`context_length_exceeded`). Fields a client may send that this server cannot honour (best_of,
-echo, suffix, ...) are rejected, never silently ignored, and the error names the field
-without repeating its value.
+Validation happens in layers: the round fields and a round's shape first, by the round protocol
+both front doors share (`round_protocol`, run on the raw body by `round_rules`), then pydantic
+checks presence and types (a 400 naming the field), then `SamplingParams` and the engine check
+values (a 400 naming the field, or a code such as `context_length_exceeded`). Fields a client
+may send that this server cannot honour (best_of, echo, suffix, ...) are rejected, never
+silently ignored, and the error names the field without repeating its value.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from tokendance.errors import (
     CapacityError,
@@ -20,8 +21,8 @@ from tokendance.errors import (
     InvalidRequestError,
     TokenDanceError,
 )
-from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, completion_refusal, refusal,
-                                       refused_field)
+from tokendance.round_protocol import (RoundFieldError, check_chat_fields, check_completion_fields,
+                                       check_round_request)
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokendance.server.tool_formats import ToolFormat
 from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
@@ -62,6 +63,21 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------- requests
+
+
+def round_rules(check):
+    """A model's "before" validator: `check` (a `round_protocol` check) on the raw body, its
+    refusal answered as the server's 400. The round fields' annotations below only type what it
+    has already checked."""
+
+    def validate(cls, data):
+        try:
+            check(data)
+        except RoundFieldError as exc:  # (an ApiError passes through pydantic to the app's handler)
+            raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+        return data
+
+    return model_validator(mode="before")(classmethod(validate))
 
 
 def echo(value) -> str:
@@ -224,17 +240,19 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """`agent_id`, `round_id`, `round_size` and `cache_salt` are the round and tenancy extensions."""
+    """`agent_id`, `round_id`, `round_size` and `cache_salt` are the round and tenancy extensions
+    (`round_protocol.check_chat_fields`)."""
 
+    _round_fields = round_rules(check_chat_fields)
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    agent_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
-    round_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
-    round_size: StrictInt | None = Field(default=None, ge=1, le=MAX_AGENTS)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    agent_id: str | None = None
+    round_id: str | None = None
+    round_size: int | None = None
+    cache_salt: str | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
@@ -257,18 +275,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """No round fields (`round_protocol.check_completion_fields`); `cache_salt` is the tenancy extension."""
+
+    _round_fields = round_rules(check_completion_fields)
     model: str
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = None
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        name = next((n for n in ROUND_FIELDS if (self.model_extra or {}).get(n) is not None), None)
-        if name is not None:
-            raise ApiError(400, completion_refusal(name), param=name, code="unsupported_parameter")
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -280,44 +295,25 @@ class CompletionRequest(SamplingFields):
 
 
 class RoundAgent(SamplingFields):
-    """One agent of a /v1/rounds request; its sampling fields override the round's."""
+    """One agent of a /v1/rounds request; its sampling fields override the round's. Its shape is
+    checked with the round's (`RoundRequest`)."""
 
-    agent_id: StrictStr = Field(min_length=1, max_length=MAX_ID_CHARS)
-    messages: list[ChatMessage] = Field(min_length=1)
+    agent_id: str
+    messages: list[ChatMessage]
     # The agent's own tenancy (over the round's: `round_protocol.turn_salt`): its session and
     # prefix-cache reads and writes in this salt's namespace; shared spans are reused only among
     # the round's agents of one namespace.
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        reject_round_fields(self)
-        if (self.model_extra or {}).get("model") is not None:
-            raise ApiError(400, "model cannot differ per agent: a round runs on the request's model", param="model",
-                           code="unsupported_parameter")
-
-
-def reject_round_fields(body: SamplingFields) -> None:
-    """Chat fields a round does not serve (it never ignores them silently): `round_protocol`."""
-    name = refused_field({**(body.model_extra or {}), "prompt_logprobs": body.prompt_logprobs})
-    if name is not None:
-        raise ApiError(400, refusal(name), param=name, code="unsupported_parameter")
+    cache_salt: str | None = None
 
 
 class RoundRequest(SamplingFields):
-    model: str
-    agents: list[RoundAgent] = Field(min_length=1, max_length=MAX_AGENTS)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    """A whole round; its agents, their ids, the fields a round refuses and the salts:
+    `round_protocol.check_round_request`."""
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.n != 1:
-            raise ApiError(400, "n must be 1 in a round (one turn per agent)", param="n", code="unsupported_parameter")
-        for i, agent in enumerate(self.agents):
-            if agent.n != 1:
-                raise ApiError(400, "n must be 1 in a round (one turn per agent)", param=f"agents.{i}.n",
-                               code="unsupported_parameter")
-        reject_round_fields(self)
+    _round_shape = round_rules(check_round_request)
+    model: str
+    agents: list[RoundAgent]
+    cache_salt: str | None = None
 
 
 # ---------------------------------------------------------------- responses

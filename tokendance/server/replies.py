@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from tokendance.outputs import RequestOutput
-from tokendance.round_protocol import round_answer
+from tokendance.round_protocol import STATS_FIELDS, agent_output, round_answer
 from tokendance.sampling import TokenLogprobs
 from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools, parse_tool_calls
@@ -139,35 +139,16 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
 
 
 def round_output(agent_id: str, output: RequestOutput) -> dict:
-    """One agent's entry of a round's answer; an agent whose computation failed carries its error
-    (finish_reason "error") while the others carry their replies."""
-    entry = {"agent_id": agent_id, "message": {"role": "assistant", "content": output.text},
-             "finish_reason": output.finish_reason, "usage": usage([output])}
-    if output.finish_reason == "error":
-        entry["error"] = {"message": f"the engine failed on this agent ({output.error})", "type": "server_error",
-                          "param": None, "code": "agent_failed"}
-    return entry
+    """One agent's entry of a round's answer (`round_protocol.agent_output`)."""
+    failure = str(output.error) if output.finish_reason == "error" else None
+    return agent_output(agent_id, output.text, output.finish_reason, usage([output]), failure)
 
 
 def round_response(request_id: str, model: str, agent_ids: list[str], outputs: list[RequestOutput],
-                   round_info: dict, stats) -> dict:
+                   index: int, stats) -> dict:
     """The /v1/rounds answer, in the shape both front doors give (`round_protocol.round_answer`)."""
-    return round_answer(
-        request_id, model, [round_output(a, o) for a, o in zip(agent_ids, outputs)], **round_info, stats={
-            "mode": stats.mode,
-            "num_agents": stats.num_agents,
-            "num_waves": stats.num_waves,
-            "round_seconds": stats.round_seconds,
-            "prefill_seconds": stats.prefill_seconds,
-            "prompt_tokens": stats.prompt_tokens,
-            "computed_tokens": stats.computed_tokens,
-            "reused_tokens": stats.reused_tokens,
-            "kv_bytes_per_agent": stats.kv_bytes_per_agent,
-            "compression": stats.compression,
-            "shared_compression": stats.shared_compression,
-            "diff_blocks": stats.diff_blocks,
-            "repeated_replies": stats.repeated_replies,
-        })
+    return round_answer(request_id, model, [round_output(a, o) for a, o in zip(agent_ids, outputs)],
+                        {name: getattr(stats, name) for name in STATS_FIELDS}, index)
 
 
 def sse(data: dict | str) -> str:

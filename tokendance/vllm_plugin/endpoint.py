@@ -14,8 +14,9 @@
 - `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
   turn is one chat request to this same server (through the middleware), all at once.
 
-Both speak `tokendance serve`'s round protocol (`tokendance/round_protocol.py`): the same limits,
-the same refused fields, the agent's own `cache_salt` over the round's, the same answer.
+Both speak `tokendance serve`'s round protocol (`tokendance/round_protocol.py`): its checks run on
+vLLM's body before vLLM reads it, so a mistake gets the same 400 (message, `param`, `code`) through
+either door; the agent's own `cache_salt` over the round's; the same answer.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokendance.round_protocol import (MAX_AGENTS, MAX_ID_CHARS, MAX_SALT_CHARS, ROUND_FIELDS, agent_salt,
-                                       completion_refusal, refusal, refused_field, round_answer, turn_salt)
-from tokendance.vllm_plugin.gathering import SERVER_AGENT_PREFIXES, Gathering
+from tokendance.convergence import repeated_replies
+from tokendance.round_protocol import (RESERVED_AGENT_PREFIXES, ROUND_FIELDS, RoundFieldError, agent_output,
+                                       agent_salt, check_chat_fields, check_completion_fields, check_round_request,
+                                       round_answer, turn_salt, turn_usage)
+from tokendance.vllm_plugin.gathering import Gathering
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 from tokendance.vllm_plugin.settings import Settings
 
@@ -43,48 +46,27 @@ FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")  # n
 logger = logging.getLogger("tokendance.vllm")
 
 
-class FieldError(ValueError):
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
 def tag_body(body: dict, chat: bool = True) -> dict:
-    """The body with its round fields moved where the connector reads them. FieldError names a
-    field that is malformed, also in a tag the client wrote itself (`kv_transfer_params.tokendance`,
-    which the connector would otherwise only log before computing the request exactly), and a round
-    field on a completion (`chat` False). A round member without an agent_id is an agent of its
-    own, keeping no session (as in `tokendance serve`)."""
+    """The body with its round fields moved where the connector reads them, once the round protocol
+    has checked them (`check_chat_fields`; on a completion, `chat` False, `check_completion_fields`
+    refuses them). A RoundFieldError names the field refused, also in a tag the client wrote itself
+    (`kv_transfer_params.tokendance`, which the connector would otherwise only log before computing
+    the request exactly). A round member without an agent_id is an agent of its own, keeping no
+    session (as in `tokendance serve`)."""
+    (check_chat_fields if chat else check_completion_fields)(body)
     fields = {name: body.pop(name) for name in ROUND_FIELDS if body.get(name) is not None}
-    if fields and not chat:
-        name = next(iter(fields))
-        raise FieldError(completion_refusal(name), name)
     params = body.get("kv_transfer_params")
     if isinstance(params, dict) and "tokendance" in params:
         check_own_tag(params, body.get("cache_salt"), fields)
     if not fields:
         return body
-    agent_id, round_id, size = fields.get("agent_id"), fields.get("round_id"), fields.get("round_size")
-    if agent_id is None and isinstance(round_id, str):
-        agent_id = f"anonymous-{uuid.uuid4().hex}"
-    if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_ID_CHARS:
-        raise FieldError(f"agent_id must be a string of 1 to {MAX_ID_CHARS} characters (it names the agent's "
-                         "session)", "agent_id")
-    if fields.get("agent_id") is not None:
-        refuse_server_agent_id(agent_id, "agent_id")
-    if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ID_CHARS):
-        raise FieldError(f"round_id must be a string of 1 to {MAX_ID_CHARS} characters", "round_id")
-    if size is not None and (round_id is None or isinstance(size, bool) or not isinstance(size, int)
-                             or not 1 <= size <= MAX_AGENTS):
-        raise FieldError(f"round_size must be an integer in [1, {MAX_AGENTS}], with round_id", "round_size")
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
-        raise FieldError(f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters", "cache_salt")
+    round_id, size, salt = fields.get("round_id"), fields.get("round_size"), body.get("cache_salt")
+    agent_id = fields.get("agent_id") or f"anonymous-{uuid.uuid4().hex}"  # (no agent_id: a round_id, checked)
     body["cache_salt"] = agent_salt(agent_id, salt)
     if round_id is not None:
         params = body.get("kv_transfer_params") or {}
         if not isinstance(params, dict):
-            raise FieldError("kv_transfer_params must be an object", "kv_transfer_params")
+            raise RoundFieldError("kv_transfer_params must be an object", "kv_transfer_params")
         tag = {"round_id": round_id, "agent_id": agent_id, "namespace": salt or ""}
         if size is not None:
             tag["round_size"] = size
@@ -92,33 +74,29 @@ def tag_body(body: dict, chat: bool = True) -> dict:
     return body
 
 
-def refuse_server_agent_id(agent_id, param: str) -> None:
-    """A client's agent id may not take a name the server gives its own agents."""
-    if isinstance(agent_id, str) and agent_id.startswith(SERVER_AGENT_PREFIXES):
-        raise FieldError(f"agent_id may not start with {' or '.join(SERVER_AGENT_PREFIXES)}: the server names its "
-                         "own agents so (a gathered conversation, a member without an agent_id)", param)
-
-
 def check_own_tag(params: dict, salt, fields: dict) -> None:
-    """A round tag the client wrote: refused with the field named if the connector could not use it."""
+    """A round tag the client wrote (the plugin's own door: `tokendance serve` has no
+    `kv_transfer_params`): refused with the field named if the connector could not use it."""
     param = "kv_transfer_params.tokendance"
     if isinstance(params["tokendance"], dict) and "transparent" in params["tokendance"]:
-        raise FieldError(f"{param}.transparent is the server's own (a gathered member); declare a round with "
-                         f"{', '.join(ROUND_FIELDS)} instead", param)
+        raise RoundFieldError(f"{param}.transparent is the server's own (a gathered member); declare a round with "
+                              f"{', '.join(ROUND_FIELDS)} instead", param)
     if fields:
-        raise FieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
+        raise RoundFieldError(f"give a round either as {', '.join(ROUND_FIELDS)} or as {param}, not both", param)
     agent_id = params["tokendance"].get("agent_id") if isinstance(params["tokendance"], dict) else None
-    refuse_server_agent_id(agent_id, param)
+    if isinstance(agent_id, str) and agent_id.startswith(RESERVED_AGENT_PREFIXES):
+        raise RoundFieldError(f"{param}.agent_id may not start with {' or '.join(RESERVED_AGENT_PREFIXES)}: the "
+                              "server names its own agents so", param)
     try:
         RoundTag.parse(params)
     except RoundParamsError as exc:
-        raise FieldError(str(exc), param) from None
+        raise RoundFieldError(str(exc), param) from None
     if not isinstance(salt, str) or not salt:
-        raise FieldError(f"a request with {param} needs a cache_salt of the agent's own (reused KV is read back "
-                         "only under it)", "cache_salt")
+        raise RoundFieldError(f"a request with {param} needs a cache_salt of the agent's own (reused KV is read "
+                              "back only under it)", "cache_salt")
 
 
-def own_tag_error(body) -> "FieldError | None":
+def own_tag_error(body) -> RoundFieldError | None:
     """Why the round tag a client wrote itself (`kv_transfer_params.tokendance`) is refused (None:
     it has none, or the connector can use it), in a body of any route: vLLM forwards
     `kv_transfer_params` from many, and will from more."""
@@ -127,14 +105,19 @@ def own_tag_error(body) -> "FieldError | None":
         return None
     try:
         check_own_tag(params, body.get("cache_salt"), {n: body[n] for n in ROUND_FIELDS if body.get(n) is not None})
-    except FieldError as exc:
+    except RoundFieldError as exc:
         return exc
     return None
 
 
-def error_body(message: str, param: str | None, status: int = 400) -> bytes:
+def error_body(message: str, param: str | None, code: str | int = 400) -> bytes:
+    """An error as vLLM answers one (its code: the status), or as the round protocol does."""
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                 "code": status}}).encode()
+                                 "code": code}}).encode()
+
+
+def refusal_body(exc: RoundFieldError) -> bytes:
+    return error_body(exc.message, exc.param, exc.code)
 
 
 def too_deep(body) -> str | None:
@@ -191,7 +174,7 @@ class RoundFields:
             body = None
         refused = own_tag_error(body)
         if refused is not None:
-            return await _reply(send, 400, error_body(str(refused), refused.param))
+            return await _reply(send, 400, refusal_body(refused))
         if scope["method"] != "POST" or scope["path"] not in GUARDED_PATHS:
             return await self.app(scope, replay_of(raw, receive), send)
         deep = too_deep(body)
@@ -208,10 +191,12 @@ class RoundFields:
                         return
                     if admitted is not body:  # a round member, tagged by the gathering
                         raw, body = json.dumps(admitted).encode(), {}
-                if any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body:
-                    raw = json.dumps(tag_body(body, chat=chat)).encode()
-            except FieldError as exc:
-                return await _reply(send, 400, error_body(str(exc), exc.param))
+                rewrite = any(name in body for name in ROUND_FIELDS) or "kv_transfer_params" in body
+                tagged = tag_body(body, chat=chat)  # every body's round fields are checked
+                if rewrite:
+                    raw = json.dumps(tagged).encode()
+            except RoundFieldError as exc:
+                return await _reply(send, 400, refusal_body(exc))
         if gathering is not None:
             send = gathering.reading_replies(send)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -295,6 +280,7 @@ class RoundsEndpoint:
 
     def __init__(self):
         self.base_url = None
+        self.model_name = None  # the first name vLLM serves the model under, as /v1/rounds answers it
         self.gathering: Gathering | None = None  # transparent rounds (the connector's `transparent_rounds`)
 
     def attach_router(self, app) -> None:
@@ -308,14 +294,17 @@ class RoundsEndpoint:
                 return JSONResponse(json.loads(error_body("the body is not JSON", None)), status_code=400)
             try:
                 requests = round_requests(body)
-            except FieldError as exc:
-                return JSONResponse(json.loads(error_body(str(exc), exc.param)), status_code=400)
-            return await until_disconnected(request.receive, self._run_round(body, requests, request.headers.get("authorization")))
+            except RoundFieldError as exc:
+                return JSONResponse(json.loads(refusal_body(exc)), status_code=400)
+            authorization = request.headers.get("authorization")
+            return await until_disconnected(request.receive, self._run_round(body, requests, authorization))
 
     async def init_state(self, engine_client, state, args) -> None:
         host = getattr(args, "host", None) or "127.0.0.1"
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.base_url = f"http://{host}:{getattr(args, 'port', 8000)}"
+        names = getattr(args, "served_model_name", None) or [getattr(args, "model", None)]
+        self.model_name = names if isinstance(names, str) else names[0]
         settings = connector_settings(getattr(args, "kv_transfer_config", None))
         if settings is not None and settings.transparent_rounds:
             self.gathering = Gathering(settings.gather_window_s, settings.round_timeout_s, metric=transparent_counter())
@@ -324,67 +313,89 @@ class RoundsEndpoint:
                                "requests it receives alone; a round forms only among those", args.api_server_count)
 
     async def _run_round(self, body: dict, requests: list[dict], authorization: str | None):
+        """Every agent's turn as a chat request to this server, all at once. An agent's 4xx refuses
+        the round, as `tokendance serve` refuses a round with a bad agent; an agent that fails
+        otherwise fails alone (its entry carries the error)."""
         import httpx
 
         started = time.perf_counter()
         headers = {"authorization": authorization} if authorization else {}
         async with httpx.AsyncClient(base_url=self.base_url, timeout=None, headers=headers) as client:
-            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=r) for r in requests))
-        failed = next((r for r in replies if r.status_code != 200), None)
-        if failed is not None:  # the first agent's error, with its field named by agent
-            content = failed.json()
-            index = replies.index(failed)
-            error = content.get("error") if isinstance(content, dict) else None
-            if isinstance(error, dict):
-                error["param"] = f"agents.{index}.{error.get('param')}" if error.get("param") else f"agents.{index}"
-            return JSONResponse(content, status_code=failed.status_code)
-        outputs = [r.json() for r in replies]
-        return JSONResponse(round_response(body, requests, outputs, time.perf_counter() - started))
+            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=r) for r in requests),
+                                           return_exceptions=True)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception) and not isinstance(reply, httpx.HTTPError):
+                raise reply
+            if isinstance(reply, httpx.Response) and 400 <= reply.status_code < 500:
+                return JSONResponse(agent_refusal(reply.json(), body, i), status_code=reply.status_code)
+        answers = [reply.json() if isinstance(reply, httpx.Response) and reply.status_code == 200
+                   else failure_of(reply) for reply in replies]
+        return JSONResponse(round_response(requests[0]["round_id"], self.model_name, requests, answers,
+                                           time.perf_counter() - started))
 
 
 def round_requests(body) -> list[dict]:
-    """One chat body per agent: the round's fields, the agent's over them, its messages, and the
+    """One chat body per agent, once the round protocol has checked the round
+    (`check_round_request`): the round's fields, the agent's over them, its messages, and the
     round fields the middleware turns into the connector's tag."""
-    if not isinstance(body, dict):
-        raise FieldError("the body must be an object", None)
-    agents = body.get("agents")
-    if not isinstance(agents, list) or not 0 < len(agents) <= MAX_AGENTS:
-        raise FieldError(f"agents must be a list of 1 to {MAX_AGENTS} {{agent_id, messages}}", "agents")
-    name = refused_field(body)
-    if name is not None or body.get("n", 1) not in (1, None):
-        raise FieldError(refusal(name) if name else "n must be 1 in a round (one turn per agent)", name or "n")
-    ids = [a.get("agent_id") if isinstance(a, dict) else None for a in agents]
-    if len(set(map(str, ids))) != len(ids):
-        raise FieldError("agent ids of a round must be distinct", "agents")
+    check_round_request(body)
     round_id = f"round-{uuid.uuid4().hex}"
     shared = {k: v for k, v in body.items() if k not in ROUND_ONLY}
     requests = []
-    for i, agent in enumerate(agents):
-        if not isinstance(agent, dict) or not isinstance(agent.get("messages"), list) or not agent["messages"]:
-            raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.messages")
-        if agent.get("agent_id") is None:
-            raise FieldError("each agent needs agent_id and a non-empty messages list", f"agents.{i}.agent_id")
-        request = {**shared, **agent, "round_id": round_id, "round_size": len(agents)}
-        name = refused_field(agent)
-        if name is not None or agent.get("n", 1) not in (1, None):
-            raise FieldError(refusal(name) if name else "n must be 1 in a round (one turn per agent)",
-                             f"agents.{i}.{name or 'n'}")
-        if agent.get("model") not in (None, body.get("model")):
-            raise FieldError("model cannot differ per agent: a round runs on the request's model", f"agents.{i}.model")
+    for i, agent in enumerate(body["agents"]):
+        request = {**shared, **agent, "round_id": round_id, "round_size": len(body["agents"])}
         salt = turn_salt(body.get("cache_salt"), agent.get("cache_salt"))
         if salt is not None:
             request["cache_salt"] = salt
         try:
-            tag_body(dict(request))  # validated here, rewritten by the middleware on the way in
-        except FieldError as exc:
-            raise FieldError(str(exc), f"agents.{i}.{exc.param}") from None
+            tag_body(dict(request))  # the plugin's own rules (a tag of the client's), before any agent runs
+        except RoundFieldError as exc:
+            raise RoundFieldError(exc.message, f"agents.{i}.{exc.param}", exc.code) from None
         requests.append(request)
     return requests
 
 
-def round_response(body: dict, requests: list[dict], outputs: list[dict], seconds: float) -> dict:
-    entries = [{"agent_id": request["agent_id"], "message": output["choices"][0]["message"],
-                "finish_reason": output["choices"][0]["finish_reason"], "usage": output.get("usage") or {}}
-               for request, output in zip(requests, outputs)]
-    return round_answer(requests[0]["round_id"], outputs[0].get("model"), entries,
-                        {"mode": "vllm+tokendance", "num_agents": len(requests), "round_seconds": seconds})
+def agent_refusal(content, body: dict, index: int):
+    """An agent's refused chat request as the round's answer: the field named where the client
+    wrote it, in the agent (`agents.i.max_tokens`) or in the round (`max_tokens`), as `tokendance
+    serve` names it."""
+    error = content.get("error") if isinstance(content, dict) else None
+    if isinstance(error, dict):
+        param = error.get("param")
+        field = param.split(".")[0] if isinstance(param, str) else None
+        if field is None or field in body["agents"][index] or field not in body:
+            error["param"] = f"agents.{index}.{param}" if param else f"agents.{index}"
+    return content
+
+
+def failure_of(reply) -> str:
+    """Why an agent's chat request failed (an exception, or a reply other than 200 or 4xx)."""
+    if isinstance(reply, Exception):
+        return f"{type(reply).__name__}: {reply}"
+    try:
+        message = reply.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = reply.text[:200]
+    return f"{reply.status_code}: {message}"
+
+
+def round_response(round_id: str, model: str, requests: list[dict], answers: list[dict | str],
+                   seconds: float) -> dict:
+    """The round's answer (`round_protocol.round_answer`) from each agent's chat answer, or why it
+    failed (a str). The stats the connector keeps inside vLLM's engine (computed and reused tokens,
+    KV bytes, compression, waves, round TTFT) are null here; its /metrics has them."""
+    entries = []
+    for request, answer in zip(requests, answers):
+        if isinstance(answer, str):
+            entries.append(agent_output(request["agent_id"], "", None, turn_usage(None, None, None), failure=answer))
+            continue
+        choice, usage = answer["choices"][0], answer.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        entries.append(agent_output(request["agent_id"], choice["message"].get("content") or "",
+                                    choice["finish_reason"],
+                                    turn_usage(usage.get("prompt_tokens"), usage.get("completion_tokens"), cached)))
+    prompt = [e["usage"]["prompt_tokens"] for e in entries]
+    stats = {"mode": "vllm+tokendance", "num_agents": len(entries), "round_seconds": seconds,
+             "prompt_tokens": None if None in prompt else sum(prompt),
+             "repeated_replies": repeated_replies([e["message"]["content"] for e in entries])}
+    return round_answer(round_id, model, entries, stats)
