@@ -34,8 +34,8 @@ STATS_FIELDS = ("mode", "num_agents", "num_waves", "round_seconds", "prefill_sec
 
 class RoundFieldError(Exception):
     """A round field or a round's shape that a front door refuses with a 400: the message, the field
-    it names (`param`, dotted as `agents.1.cache_salt`; None: the body) and the error code.
-    Not a ValueError, so that raised inside a pydantic validator it reaches the server unchanged."""
+    it names (`param`, dotted as `agents.1.cache_salt`; None: the body) and the error code
+    (`invalid_value`, or `unsupported_parameter` for a field a round does not serve)."""
 
     def __init__(self, message: str, param: str | None, code: str = "invalid_value"):
         super().__init__(message)
