@@ -27,10 +27,10 @@ from tokendance.reuse.round_kv import (
     count_reuse,
     private_positions,
 )
-from tokendance.reuse.planning import choose_anchors, first_holders
+from tokendance.reuse.planning import choose_anchors, common_prefix, first_holders
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.cost import account
-from tokendance.reuse.segments import TokenizedTurn, common_prefix
+from tokendance.reuse.segments import TokenizedTurn
 
 
 class KVCollector(ReusePolicy):

@@ -1,11 +1,25 @@
-"""A round's plan, on span names and lengths only: which agents compute their prompts in full so
-that their shared spans become the masters everyone else reuses, and which agents' check pass
-covers every distinct span. Pure Python, no KV: the engine's KV Collector (`reuse/collector.py`)
-and the vLLM plugin (`vllm_plugin/rounds.py`) plan with the same functions."""
+"""A round's plan, on token ids, span names and lengths only: what names a span (its tokens and
+namespace, wherever it sits), which agents compute their prompts in full so that their shared
+spans become the masters everyone else reuses, and which agents' check pass covers every distinct
+span. Pure Python, no KV: the engine's KV Collector (`reuse/collector.py`) and the vLLM plugin
+(`vllm_plugin/round_planning.py`) plan with the same functions."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
+
+
+def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
+    """Content name of a shared segment, salted by the cache namespace."""
+    return hashlib.sha256(namespace.encode() + b"\0" + array("q", token_ids).tobytes()).digest()
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (token ids, lines)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def choose_masters(spans_of: Sequence[Mapping[bytes, int]]) -> list[int]:

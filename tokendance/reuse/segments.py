@@ -3,8 +3,6 @@ across a round's agents has the same token ids in every prompt wherever it sits.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +11,7 @@ import jinja2
 
 from tokendance.errors import InvalidRequestError
 from tokendance.model.tokenizer import ChatTokenizer
+from tokendance.reuse.planning import segment_key
 
 
 @dataclass
@@ -72,17 +71,6 @@ class TokenizedTurn:
         """Shared spans that can be served from shared KV: those within the prepared tokens."""
         end = self.num_prepared
         return [s for s in self.spans if s.key is not None and s.end <= end]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:
-    """Content name of a shared segment, salted by the cache namespace."""
-    return hashlib.sha256(namespace.encode() + b"\0" + array("q", token_ids).tobytes()).digest()
 
 
 def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[list[int]]:

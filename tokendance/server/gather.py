@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokendance.errors import InvalidRequestError
-from tokendance.reuse.segments import common_prefix
+from tokendance.reuse.planning import common_prefix
 
 
 class RoundConflictError(InvalidRequestError):
