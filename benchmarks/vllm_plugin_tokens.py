@@ -16,7 +16,9 @@ import math
 
 from tokendance.model.loader import load_tokenizer
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
-from tokendance.vllm_plugin.rounds import RoundBook, RoundTag, common_prefix
+from tokendance.reuse.planning import common_prefix
+from tokendance.vllm_plugin.round_book import RoundBook
+from tokendance.vllm_plugin.rounds import RoundTag
 from tokendance.workloads import make_workload
 
 

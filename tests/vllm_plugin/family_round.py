@@ -2,10 +2,12 @@
 prompts computed exactly; writes each agent's role, claimed tokens and first-token log-probs
 (both ways) as JSON. Run in a subprocess per model (vLLM keeps one engine per process well):
 
-    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON [ENGINE_JSON]]
+    python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON [ENGINE_JSON [SAMPLING_JSON]]]
 
 (SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'; ENGINE_JSON:
-more of `vllm.LLM`'s arguments, e.g. '{"tensor_parallel_size": 2}'.)
+more of `vllm.LLM`'s arguments, e.g. '{"tensor_parallel_size": 2}'; SAMPLING_JSON: of
+`SamplingParams`', e.g. '{"max_tokens": 160, "ignore_eos": true}'.) Also writes each agent's output
+`tokens`, and `preemptions` (vLLM's count, where its stats are on: '{"disable_log_stats": false}').
 """
 
 import json
@@ -26,9 +28,11 @@ def main():
     folder, out = sys.argv[1], sys.argv[2]
     settings = {"recompute_ratio": 1.0, **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")}
     engine = json.loads(sys.argv[4] if len(sys.argv) > 4 else "{}")
-    llm = LLM(model=folder, dtype="float32", max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
-              block_size=32, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
-                                                                 kv_connector_extra_config=settings), **engine)
+    sampling = {"max_tokens": 2, **json.loads(sys.argv[5] if len(sys.argv) > 5 else "{}")}
+    engine = {"dtype": "float32", "max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True, "seed": 0,
+              "block_size": 32, **engine}
+    llm = LLM(model=folder, kv_transfer_config=KVTransferConfig(kv_connector="TokenDanceConnector", kv_role="kv_both",
+                                                                kv_connector_extra_config=settings), **engine)
     tokenizer = llm.get_tokenizer()
     said = "\n".join(f"[{n}]: the bridge needs {i + 2} new planks before the market, and {n} will bring rope."
                      for i, n in enumerate(NAMES))
@@ -40,16 +44,20 @@ def main():
                                                            return_dict=True)["input_ids"])
 
     def run(salt, tagged):
-        params = [SamplingParams(temperature=0, max_tokens=2, logprobs=5, extra_args={"kv_transfer_params": {
+        params = [SamplingParams(temperature=0, logprobs=5, **sampling, extra_args={"kv_transfer_params": {
             "tokendance": {"round_id": "r", "round_size": 4, "agent_id": n}}} if tagged else None) for n in NAMES]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[n], cache_salt=f"{salt}-{n}") for n in NAMES],
                                params, use_tqdm=False)
         return {n: {"role": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("role"),
                     "claimed": ((o.kv_transfer_params or {}).get("tokendance") or {}).get("claimed_tokens", 0),
-                    "first": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+                    "first": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()},
+                    "tokens": list(o.outputs[0].token_ids)}
                 for n, o in zip(NAMES, outputs)}
 
-    json.dump({"reused": run("reused", True), "exact": run("exact", False)}, open(out, "w"))
+    reused, exact = run("reused", True), run("exact", False)
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") \
+        if llm.llm_engine.log_stats else None
+    json.dump({"reused": reused, "exact": exact, "preemptions": preemptions}, open(out, "w"))
 
 
 if __name__ == "__main__":  # (tensor-parallel workers are spawned: they import this file)

@@ -283,7 +283,7 @@ def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from tokendance.vllm_plugin import handoff
-    from tokendance.vllm_plugin.rounds import RoundBook
+    from tokendance.vllm_plugin.round_book import RoundBook
     from tokendance.vllm_plugin.store import SessionStore
     from tokendance.vllm_plugin.mirror_pass import MirrorPass
 

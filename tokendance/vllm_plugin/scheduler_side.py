@@ -1,4 +1,4 @@
-"""The connector's scheduler side, in vLLM's engine core: the round book (`rounds.py`) holds
+"""The connector's scheduler side, in vLLM's engine core: the round book (`round_book.py`) holds
 mirrors until their masters are computed, pins the blocks their claims read (masters', first
 holders', the agent's previous request's), claims each member's range and tells the workers, step
 by step, what to fill (`StepOrders`); with the session store, it keeps the store's index
@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.rounds import RoundBook, RoundParamsError, RoundTag
+from tokendance.vllm_plugin.round_book import RoundBook
+from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 from tokendance.vllm_plugin.store_index import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
