@@ -207,55 +207,12 @@ class MirrorPass:
         clock = PhaseClock()
         for shim in self.shims:
             shim.seconds = 0.0
-        device = self.layouts[0].cache.device
         context = [self._slots(load.block_ids, 0, load.end) for load in loads]
         # a selection that ranks nothing (EPIC: each span's first tokens) needs no check pass
         c = self.check_layer if self._selector(None).needs_check_pass else -1
         # 0. exact spans copied in every layer; the pass computes the other rows (`batch`)
         exact = self._copy_exact(loads, context, c, clock)
-        batch = [~mask for mask in exact]
-        counts = [int(m.sum()) for m in batch]
-        ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
-        positions = torch.cat([torch.arange(load.start, load.end, device=device)[m] for load, m in zip(loads, batch)])
-        write = torch.cat([slots[load.start:][m] for load, slots, m in zip(loads, context, batch)])
-        clock.lap("copy")
-        keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
-        if len(ids):
-            embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
-            hidden, residual = embed(ids), None
-            # 1. the check pass: every computed row through layers 0..c, exactly
-            attends, row = [], 0
-            for slots, n in zip(context, counts):
-                if n:
-                    attends.append(Attend(row, row + n, positions[row:row + n], slots))
-                row += n
-            fresh = None
-            if c >= 0:
-                self.shims[c].capture = True
-                hidden, residual = yield from self._layers(range(0, c + 1), positions, hidden, residual, write,
-                                                           attends, clock=clock, phase="check")
-                fresh = self.shims[c].keys
-                self.shims[c].capture, self.shims[c].keys = False, None
-            clock.lap("check")
-            # 2. selection and 3. the copy of the sources' K/V for the tokens not selected (from a
-            # mirror of this pass, layer by layer in 4., once that mirror's rows are written)
-            copies, late = self._select(loads, batch, fresh, keep)
-            self.restored = {}  # read by the selection only: not held until the next pass
-            clock.lap("select")
-            later = range(c + 1, len(self.layers))
-            if copies is not None:
-                self._copy(*copies, layers=later)
-            clock.lap("copy")
-            # 4. the recompute: selected and private tokens through the remaining layers
-            rows = keep.nonzero().flatten()
-            if len(later) and len(rows):
-                attends = attends_of(rows, positions, context, counts)
-                yield from self._layers(later, positions[rows], hidden[rows],
-                                        None if residual is None else residual[rows], write[rows], attends, late,
-                                        clock=clock, phase="recompute")
-            elif late is not None:
-                self._copy(*late, layers=later)
-            clock.lap("recompute")
+        keep = yield from self._compute(loads, context, [~mask for mask in exact], c, clock)
         copied = sum(int(m.sum()) for m in exact)
         reused = int((~keep).sum())
         span_tokens = sum(span.length for load in loads for span in load.spans if not span.exact)
@@ -265,6 +222,55 @@ class MirrorPass:
         report.update({f"pass_seconds.{phase}": seconds for phase, seconds in clock.laps.items()})
         report["pass_seconds.attention"] = sum(shim.seconds for shim in self.shims)
         return report
+
+    def _compute(self, loads, context, batch, c: int, clock: "PhaseClock"):
+        """Steps 1-4 over the rows `batch` marks in each load (a generator, as `steps`); returns
+        the mask of those rows recomputed in 4. (the others are reused)."""
+        device = self.layouts[0].cache.device
+        counts = [int(m.sum()) for m in batch]
+        ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
+        positions = torch.cat([torch.arange(load.start, load.end, device=device)[m] for load, m in zip(loads, batch)])
+        write = torch.cat([slots[load.start:][m] for load, slots, m in zip(loads, context, batch)])
+        clock.lap("copy")
+        keep = torch.ones(len(ids), dtype=torch.bool, device=device)  # rows recomputed in 4.
+        if not len(ids):
+            return keep
+        embed = getattr(self.inner, "embed_input_ids", None) or self.inner.embed_tokens
+        hidden, residual = embed(ids), None
+        # 1. the check pass: every computed row through layers 0..c, exactly
+        attends, row = [], 0
+        for slots, n in zip(context, counts):
+            if n:
+                attends.append(Attend(row, row + n, positions[row:row + n], slots))
+            row += n
+        fresh = None
+        if c >= 0:
+            self.shims[c].capture = True
+            hidden, residual = yield from self._layers(range(0, c + 1), positions, hidden, residual, write,
+                                                       attends, clock=clock, phase="check")
+            fresh = self.shims[c].keys
+            self.shims[c].capture, self.shims[c].keys = False, None
+        clock.lap("check")
+        # 2. selection and 3. the copy of the sources' K/V for the tokens not selected (from a
+        # mirror of this pass, layer by layer in 4., once that mirror's rows are written)
+        copies, late = self._select(loads, batch, fresh, keep)
+        self.restored = {}  # read by the selection only: not held until the next pass
+        clock.lap("select")
+        later = range(c + 1, len(self.layers))
+        if copies is not None:
+            self._copy(*copies, layers=later)
+        clock.lap("copy")
+        # 4. the recompute: selected and private tokens through the remaining layers
+        rows = keep.nonzero().flatten()
+        if len(later) and len(rows):
+            attends = attends_of(rows, positions, context, counts)
+            yield from self._layers(later, positions[rows], hidden[rows],
+                                    None if residual is None else residual[rows], write[rows], attends, late,
+                                    clock=clock, phase="recompute")
+        elif late is not None:
+            self._copy(*late, layers=later)
+        clock.lap("recompute")
+        return keep
 
     def _copy_exact(self, loads, context, check_layer: int, clock: "PhaseClock") -> list[torch.Tensor]:
         """Copy every exact span's K/V, all layers, as is (same tokens, same positions, same
