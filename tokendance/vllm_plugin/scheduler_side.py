@@ -7,9 +7,12 @@ by step, what to fill (`StepOrders`); with the session store, it keeps the store
 Plain Python over the objects vLLM hands a connector (requests, the block pool, the KV cache
 manager, the scheduler's output): no vLLM import, so it runs without vLLM.
 
-A failure planning or claiming a request never reaches vLLM's engine: `_failed` counts it
-(`mirrors_failed{reason="plan"}`), logs it, and takes the request out of its round; vLLM computes it
-exactly (blocks vLLM already took as claimed are reported as load errors by the workers).
+No failure on this side reaches vLLM's engine. One planning or claiming a request: `_failed`
+counts it (`mirrors_failed{reason="plan"}`), logs it, and takes the request out of its round; vLLM
+computes it exactly (blocks vLLM already took as claimed are reported as load errors by the
+workers). One in the book-keeping around it (a step's end, the workers' report, a request's
+finish): `_lost` counts it (`reason="bookkeeping"`) and logs it; a finished request is then not
+saved, and a member it concerned waits at most its round's hold timeout before vLLM computes it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class SchedulerSide:
         self.store_pins: dict[str, str] = {}  # request id -> the store entry its claim reads
         self.failed: list[tuple[str, list[int]]] = []  # (request id, claimed blocks) to report as load errors
         self.counters: dict[str, int] = {}
-        self.failure_logged = False
+        self.logged: set[str] = set()  # failure reasons logged with their traceback
         self.store_index = None
         if settings.store_gib > 0:
             self.store_index = StoreIndex(int(settings.store_gib * 2**30), bytes_per_token)
@@ -79,27 +82,34 @@ class SchedulerSide:
         if entry is not None:
             self.store_index.unpin(entry)
 
-    def _failed(self, request_id: str, claimed_block_ids: list[int] = ()) -> None:
-        """Every failure on this side ends here (called in its `except`): counted, logged (with its
-        traceback the first time), and the request leaves its round (finished for the book: a
+    def _failed(self, request_id: str, claimed_block_ids: list[int] = (), reason: str = "plan") -> None:
+        """A failure planning or claiming a request (or finishing it) ends here (called in its
+        `except`): counted, logged, and the request leaves its round (finished for the book: a
         source of nothing, its pins released); `claimed_block_ids`, blocks vLLM already took as
         claimed, go to the workers, which report them as load errors. vLLM computes it exactly."""
-        logger.warning("TokenDanceConnector: planning request %s failed; vLLM computes it exactly", request_id,
-                       exc_info=not self.failure_logged)
-        self.failure_logged = True
-        self.counters["failed_mirrors.plan"] = self.counters.get("failed_mirrors.plan", 0) + 1
+        self._lost(reason, f"request {request_id}")
         self.pending.pop(request_id, None)
         self.in_flight.pop(request_id, None)
-        self._unpin_session(request_id)
         if claimed_block_ids:
             self.failed.append((request_id, list(claimed_block_ids)))
-        member = self.book.find(request_id)
-        if member is not None:
-            member.failed = True
-            closed = self.book.finish(request_id)
-            if closed is not None and self.store_index is not None:
-                self.store_index.closes.append(closed)
-            self._release(self.book.releasable())
+        try:
+            self._unpin_session(request_id)
+            member = self.book.find(request_id)
+            if member is not None:
+                member.failed = True
+                closed = self.book.finish(request_id)
+                if closed is not None and self.store_index is not None:
+                    self.store_index.closes.append(closed)
+                self._release(self.book.releasable())
+        except Exception:  # the book could not let it go: its round's hold timeout will
+            self._lost("bookkeeping", f"taking request {request_id} out of its round")
+
+    def _lost(self, reason: str, what: str) -> None:
+        """Count a failure by `reason` and log it, with its traceback the first time (call in an `except`)."""
+        logger.warning("TokenDanceConnector: %s failed (mirrors_failed reason %r); vLLM computes the requests it "
+                       "concerns exactly", what, reason, exc_info=reason not in self.logged)
+        self.logged.add(reason)
+        self.counters[f"failed_mirrors.{reason}"] = self.counters.get(f"failed_mirrors.{reason}", 0) + 1
 
     def on_new_request(self, request) -> None:
         try:
@@ -177,18 +187,27 @@ class SchedulerSide:
                     self._failed(load.request_id, load.block_ids[load.start // self.book.block_size:])
         self.pending.clear()
         orders.failed, self.failed = self.failed, []
-        if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
-            self._filled(list(self.in_flight))
-        elif any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
+        if self.settings.pass_tokens_per_step > 0 and any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
             orders.budget = self.settings.pass_tokens_per_step  # someone decodes: advance the passes by slices
-        self._watch_masters(scheduler_output)
-        self._release(self.book.releasable())
-        self.book.next_step()
-        if self.store_index is not None:
-            orders.saves, orders.drops, orders.closes = self.store_index.take_orders()
+        try:
+            if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
+                self._filled(list(self.in_flight))
+            self._watch_masters(scheduler_output)
+            self._release(self.book.releasable())
+            self.book.next_step()
+            if self.store_index is not None:
+                orders.saves, orders.drops, orders.closes = self.store_index.take_orders()
+        except Exception:
+            self._lost("bookkeeping", "ending a step")
         return orders
 
     def update_connector_output(self, connector_output) -> None:
+        try:
+            self._update(connector_output)
+        except Exception:
+            self._lost("bookkeeping", "reading the workers' report")
+
+    def _update(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.book.failed_blocks(set(connector_output.invalid_block_ids))
         self._filled(connector_output.finished_recving or ())
@@ -232,6 +251,15 @@ class SchedulerSide:
             self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(block_ids)])
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """(whether the workers still read its blocks: a save, its KV params); a failure leaves
+        the request unsaved, its blocks vLLM's to free."""
+        try:
+            return self._finish(request, block_ids)
+        except Exception:
+            self._failed(request.request_id, reason="bookkeeping")  # out of its round, its pins released
+            return False, None
+
+    def _finish(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         member = self.book.find(request.request_id)
         self.pending.pop(request.request_id, None)
         if request.request_id not in self.in_flight:  # else its pass still reads them (vLLM keeps its blocks)
