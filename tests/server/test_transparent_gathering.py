@@ -283,8 +283,8 @@ def test_the_overlap_index_agrees_with_trying_every_pair_and_tries_about_one_per
     import itertools
     import random
 
-    from tokendance.server import gather
-    from tokendance.server.gather import ChatTurn, overlapping, overlaps
+    from tokendance import round_gathering
+    from tokendance.round_gathering import ChatTurn, overlapping, overlaps
 
     long = [f"line {i}: " + "words that are long enough to be a shared piece" for i in range(6)]
     rng = random.Random(0)
@@ -299,7 +299,7 @@ def test_the_overlap_index_agrees_with_trying_every_pair_and_tries_about_one_per
         assert overlapping(turns) == pairs
 
     calls = []
-    monkeypatch.setattr(gather, "overlaps", lambda a, b: calls.append(1) or overlaps(a, b))
+    monkeypatch.setattr(round_gathering, "overlaps", lambda a, b: calls.append(1) or overlaps(a, b))
     said = [f"Agent {i} says the bridge over the creek needs repairs before the festival." for i in range(256)]
     turns = []
     for i in range(256):  # each agent: its persona, then every reply in an order of its own

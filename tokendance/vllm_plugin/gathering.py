@@ -1,6 +1,6 @@
 """Transparent rounds at the plugin's front door (`transparent_rounds: true` in the connector's
 settings): chat requests that name no round are gathered into rounds, by `tokendance serve`'s rule
-(`tokendance/server/gather.py`), and tagged for the connector as declared members are.
+(`tokendance/round_gathering.py`), and tagged for the connector as declared members are.
 
 - Candidates. A request is held only if it quotes a recent reply: a line of one of its
   non-assistant messages holds the start (`MIN_SHARED_CHARS` characters from its first word) of a
@@ -34,7 +34,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from tokendance.round_protocol import agent_salt
-from tokendance.server.gather import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
+from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
 
 logger = logging.getLogger("tokendance.vllm")
 WORD_START = re.compile(r"(?<!\w)\w")

@@ -1,4 +1,5 @@
-"""Turning chat requests into rounds.
+"""Turning chat requests into rounds, by one rule for both front doors: `tokendance serve`
+(`server/app.py`, `server/engine_loop.py`) and the vLLM plugin's endpoint (`vllm_plugin/gathering.py`).
 
 Three ways into a round:
 
@@ -15,7 +16,8 @@ Three ways into a round:
   requests), the rest are served as ordinary requests;
 - whole: a /v1/rounds request is a ready round of its own.
 
-The gatherer is plain data: the engine thread owns it, calls `pop_ready` and runs what it returns.
+The gatherer is plain data: its owner (serve's engine thread, the plugin's event loop) calls
+`pop_ready` and runs what it returns.
 Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`.
 """
 
