@@ -32,7 +32,8 @@ def round_prompts(llm, num_agents: int, round_index: int = 0, history=None, seed
 
 
 def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: float | None = None,
-             max_tokens: int = 16, salted: bool = True, anchors: int | None = None, ignore_eos: bool = False):
+             max_tokens: int = 16, salted: bool = True, anchors: int | None = None, ignore_eos: bool = False,
+             logprobs: int | None = None):
     """One request per agent; tagged as one round when `round_id` is given. {agent: output}."""
     params = []
     for agent in prompts:
@@ -44,7 +45,8 @@ def generate(llm, prompts: dict, salt: str, round_id: str | None = None, ratio: 
             if anchors is not None:
                 tag["anchors"] = anchors
             extra = {"kv_transfer_params": {"tokendance": tag}}
-        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra, ignore_eos=ignore_eos))
+        params.append(SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=extra, ignore_eos=ignore_eos,
+                                     logprobs=logprobs))
     requests = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": f"{salt}-{agent}"} if salted else {}))
                 for agent, ids in prompts.items()]
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -113,31 +115,42 @@ def test_a_second_round_reuses_the_agents_sessions_and_stays_exact_at_ratio_one(
     assert_every_token_accounted(counted, two, second)
 
 
-def test_a_history_vllm_evicted_is_restored_from_the_session_store(vllm_llm):
-    """Round 1's members are saved into the session store as they finish; unrelated requests then
-    take the whole pool, evicting every block of round 1; round 2's mirrors read their histories
-    back from the store (exact copies: at ratio 1.0 the only tokens reused) and answer vLLM's exact
-    tokens. The store's gauges show what it holds."""
+def test_a_history_vllm_evicted_is_restored_from_the_session_store_as_it_was_held(vllm_llm):
+    """Round 1 runs at the connector's recompute ratio (approximate KV) twice, as groups x and y of
+    the same agents (agent ids and salts of their own); its members are saved into the session
+    store as they finish. Group x's round 2 reads its histories from vLLM's pool; then unrelated
+    requests take the whole pool, evicting every block of round 1, and group y's round 2 reads its
+    histories back from the store (exact copies: at ratio 1.0 the only tokens reused). y answers
+    what x answered, to the log-probability: the store gave back the KV the agents held. The
+    store's gauges show what it holds."""
+    def group(prompts: dict, name: str) -> dict:
+        return {f"{name}-{agent}": ids for agent, ids in prompts.items()}
+
     first = round_prompts(vllm_llm, 4, seed=6)
-    one = generate(vllm_llm, first, "store", round_id=f"r{next(_ids)}", ratio=1.0)
+    one = {g: generate(vllm_llm, group(first, g), "store", round_id=f"r{next(_ids)}") for g in "xy"}
+    assert list(tokens(one["x"]).values()) == list(tokens(one["y"]).values())  # the same round, twice
+    said = [{agent[2:]: o.outputs[0].text.strip() or "..." for agent, o in one["x"].items()}]
+    second = round_prompts(vllm_llm, 4, round_index=1, history=said, seed=6)
+    held = generate(vllm_llm, group(second, "x"), "store", round_id=f"r{next(_ids)}", ratio=1.0, logprobs=5)
     flood = round_prompts(vllm_llm, 6, seed=7, memory_lines=FULL_MEMORIES)
     assert sum(map(len, flood.values())) > NUM_BLOCKS * BLOCK_SIZE  # more than the pool: LRU evicts all
     generate(vllm_llm, flood, "flood", max_tokens=1)
-    said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in one.items()}]
-    second = round_prompts(vllm_llm, 4, round_index=1, history=said, seed=6)
     before = tokendance_counters(vllm_llm)
-    two = generate(vllm_llm, second, "store", round_id=f"r{next(_ids)}", ratio=1.0)
+    two = generate(vllm_llm, group(second, "y"), "store", round_id=f"r{next(_ids)}", ratio=1.0, logprobs=5)
     counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
     assert all(o.num_cached_tokens == o.kv_transfer_params["tokendance"]["claimed_tokens"] for o in two.values())
     mirrors = [a for a, r in roles(two).items() if r == "mirror"]
     assert counted["vllm:tokendance_restored_tokens"] > 100 * len(mirrors)
     assert counted["vllm:tokendance_reused_tokens"] == counted["vllm:tokendance_reused_exact_tokens"]
     assert counted.get(("vllm:tokendance_computed_tokens", "history"), 0) <= len(mirrors)  # the last said token
-    assert_every_token_accounted(counted, two, second)
+    assert_every_token_accounted(counted, two, group(second, "y"))
     gauges = tokendance_counters(vllm_llm)
     assert gauges["vllm:tokendance_store_agents"] >= 4 and gauges["vllm:tokendance_store_bytes"] > 0
-    two_exact = generate(vllm_llm, second, "storeref")
-    assert tokens(two) == tokens(two_exact)
+    assert list(tokens(two).values()) == list(tokens(held).values())
+    for restored, pooled in zip(two.values(), held.values()):
+        want = pooled.outputs[0].logprobs[0]
+        got = restored.outputs[0].logprobs[0]
+        assert set(got) == set(want) and max(abs(got[t].logprob - want[t].logprob) for t in want) < 1e-5
 
 
 def test_a_piece_no_master_holds_is_computed_once_by_its_first_holder(vllm_llm):
