@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokendance.server.tool_formats import FORMATS, detect
+from tokendance.tool_formats import FORMATS, detect
 from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools, parse_tool_calls, render_tool_calls
 

@@ -43,8 +43,8 @@ from tokendance.server.protocol import (
     echo,
 )
 from tokendance.server.replies import chat_response, completion_response, round_response
-from tokendance.server.tool_formats import FORMATS as TOOL_FORMATS
-from tokendance.server.tool_formats import detect as detect_tool_format
+from tokendance.tool_formats import FORMATS as TOOL_FORMATS
+from tokendance.tool_formats import detect as detect_tool_format
 from tokendance.server.tools import render_messages
 from tokendance.server.responses import (
     ResponseEvents,

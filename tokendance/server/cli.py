@@ -8,7 +8,7 @@ import os
 
 from tokendance import registry
 from tokendance.cli_types import parse_bytes
-from tokendance.server.tool_formats import TOOL_CALL_FORMATS
+from tokendance.tool_formats import TOOL_CALL_FORMATS
 
 DEFAULT_GATHER_MS = 50.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokendance.errors import InvalidRequestError
-from tokendance.server.tool_formats import TOOL_CALL_FORMATS
+from tokendance.tool_formats import TOOL_CALL_FORMATS
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tokendance.errors import (
 from tokendance.round_protocol import (RoundFieldError, check_chat_fields, check_completion_fields,
                                        check_round_request)
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from tokendance.server.tool_formats import ToolFormat
+from tokendance.tool_formats import ToolFormat
 from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
 from tokendance.structured import StructuredOutput
 

@@ -1,5 +1,5 @@
 """Tool calling: a request's `tools` and `tool_choice`, in the model family's call format
-(server/tool_formats.py: `hermes`, `llama3_json`, `mistral`).
+(tokendance/tool_formats.py: `hermes`, `llama3_json`, `mistral`).
 
 The tool definitions go into one system message placed first (identical for every agent that has
 the same tools, so it is a shared span like any other message) that describes the format, and the
@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tokendance.server.tool_formats import FORMATS, Hermes, ToolFormat
+from tokendance.tool_formats import FORMATS, Hermes, ToolFormat
 from tokendance.structured import JSON_OPTIONS, StructuredOutput
 
 OPEN, CLOSE = Hermes.OPEN, Hermes.CLOSE

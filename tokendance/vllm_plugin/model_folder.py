@@ -4,7 +4,7 @@ dequantizes the GGUF (float32) and writes the folder once; later calls find it.
 
 The model's own chat template knows no tools, so vLLM would render a request's tools nowhere. The
 folder's template (`chat_template.jinja`) renders them as `tokendance serve` does for the family
-(`server/tool_formats.py`'s hermes): a system message describing the tools first, an assistant's
+(`tool_formats.py`'s hermes): a system message describing the tools first, an assistant's
 earlier calls as `<tool_call>` blocks, then the model's own template; a tool-using app then sends
 the model the same prompt through either door."""
 
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from tokendance.model.loader import default_model_path
-from tokendance.server.tool_formats import Hermes
+from tokendance.tool_formats import Hermes
 
 # Rewrites `messages` the way server/tools.py's render_messages and render_tool_calls do, then the
 # model's own template follows.
