@@ -9,7 +9,9 @@ Each run is `benchmarks/oasis_run.py` inside .venv-oasis (OASIS's own agents, Re
 tool calls; the client declares no round). Prints per server, agent count and step: the wall
 time, chat requests and those that failed, OASIS's agent errors (replies it could not act on), the
 agents that acted, prompt and cached tokens and the rounds the server formed; then each step's time
-against plain vLLM. Writes benchmarks/results/oasis.json.
+against plain vLLM, and step 1's prompt tokens per request, which must agree within 10% across the
+servers (exit status 1 otherwise: a server rendered the tools or messages differently). Writes
+benchmarks/results/oasis.json.
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def prompt_lengths(results: dict) -> tuple[str, bool]:
+    """Step 1's prompt tokens per chat request, per server and agent count (step 1 starts from the
+    same feed for every server; later steps follow the agents' actions), and whether they agree
+    within 10%: the servers render the same tools and messages into the same prompt."""
+    lines, agree = ["step 1 prompt tokens per request:"], True
+    for n in sorted({n for by_n in results.values() for n in by_n}, key=int):
+        sizes = {name: by_n[n]["steps"][0]["server"].get("prompt_tokens", 0) / max(1, by_n[n]["steps"][0]["llm_calls"])
+                 for name, by_n in results.items() if n in by_n and by_n[n]["steps"]}
+        spread = (max(sizes.values()) / min(sizes.values()) - 1) if sizes and min(sizes.values()) > 0 else float("inf")
+        agree = agree and spread <= 0.10
+        lines.append(f"{'':>17} {n:>3}  " + "  ".join(f"{k} {v:,.0f}" for k, v in sizes.items())
+                     + f"  (spread {spread:.0%}{'' if spread <= 0.10 else ': OVER 10%, the servers render different prompts'})")
+    return "\n".join(lines), agree
+
+
 def compare(a: dict, b: dict) -> str:
     """Per server, agent count and step of both: the agents that acted in each, and the share of
     agents whose actions (which tools, in order) were the same in both runs."""
@@ -136,11 +153,13 @@ def main() -> int:
     print(f"\nOASIS (Reddit, {args.steps} steps), {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability} "
           f"(measured now: {', '.join(fresh)}; others: the last run's)")
     print(table(results))
+    lengths, agree = prompt_lengths(results)
+    print(lengths)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dtype": args.dtype, "kv_gib": args.kv_gib, "cpu": cpu.capability, "steps": args.steps,
                                "results": results}, indent=2))
     print(f"results in {out}")
-    return 0
+    return 0 if agree else 1
 
 
 if __name__ == "__main__":
