@@ -19,6 +19,9 @@ def test_every_registered_name_loads_its_class():
     assert not policy_class("full").enables_prefix_caching and policy_class("prefix").enables_prefix_caching
     for name in registry.SELECTIONS:
         assert isinstance(make_selector(name, 0.1), Selector)
+    for name, choice in registry.TRANSPARENT_RULES.items():  # the vLLM plugin's, plain Python
+        rule = registry.load(choice)()
+        assert rule.is_candidate([{"role": "user", "content": "hi"}]) == (name == "shared")
     with pytest.raises(InvalidRequestError, match="^reuse must be one of full, prefix, pic, tokendance"):
         EngineConfig(reuse="mine")
 

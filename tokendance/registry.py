@@ -45,6 +45,13 @@ MASTERS = {  # where the base KV of a round's shared spans is computed (tokendan
     "neutral": "once, in a row of their own: no agent's private text colours the KV the others read",
     "agent": "in the context of an agent holding them (its persona, memories, ...), that agent exact",
 }
+TRANSPARENT_RULES = {  # which chat requests the vLLM plugin's endpoint holds for a transparent round
+    "shared": Choice("tokendance.vllm_plugin.gathering:AnyText",
+                     "any chat request that comes while another is at the endpoint; those sharing a line outside "
+                     "their common prefix form a round, whoever wrote it"),
+    "quotes": Choice("tokendance.vllm_plugin.gathering:RecentReplies",
+                     "only chat requests quoting a line a reply of this server wrote lately"),
+}
 DTYPES = {
     "auto": "bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32",
     "bfloat16": "bfloat16 weights, activations and KV",
@@ -76,6 +83,7 @@ SHARING = ("pic", "tokendance")  # reuse modes that serve one agent's prompt fro
 DEFAULT_SELECTION = "epic"
 DEFAULT_MASTERS = "neutral"  # no agent's private text reaches another's (docs/concepts.md#where-masters-are-computed)
 DEFAULT_DTYPE = "auto"
+DEFAULT_TRANSPARENT_RULE = "shared"
 DEFAULT_RECOMPUTE_RATIO = 0.05  # the fidelity sweep's choice (docs/benchmarks.md#the-recompute-ratio-sweep)
 
 

@@ -13,7 +13,10 @@ Three ways into a round:
   of such lines: lines are the engine's segments (`chat_segments`), a shared prefix is served
   exactly by prefix caching, and a line repeated at another position is what the KV Collector is
   for. Requests that carry an `agent_id` join the round too (their session is kept between
-  requests), the rest are served as ordinary requests;
+  requests), the rest are served as ordinary requests. With `release_unshared` (the vLLM plugin's
+  endpoint, where a held request waits outside the engine), a request that overlaps no other
+  pending one a window after it came leaves at once as an ordinary request, so that one sharing
+  nothing waits a window, not the round timeout, however busy the door is;
 - whole: a /v1/rounds request is a ready round of its own.
 
 The gatherer is plain data: its owner (serve's engine thread, the plugin's event loop) calls
@@ -54,6 +57,7 @@ class ChatTurn:
     round_size: int | None = None
     arrival: float = 0.0
     lines: list[tuple[str, str]] = field(init=False, repr=False)  # (role, line) per line of every message
+    sharing: bool = field(default=False, init=False, repr=False)  # seen overlapping another pending turn
 
     def __post_init__(self) -> None:
         self.lines = [(m["role"], line) for m in self.messages for line in m["content"].split("\n")]
@@ -112,9 +116,10 @@ def overlapping(turns: Sequence[ChatTurn]) -> set[int]:
 
 
 class RoundGatherer:
-    def __init__(self, window_s: float, round_timeout_s: float):
+    def __init__(self, window_s: float, round_timeout_s: float, release_unshared: bool = False):
         self.window_s = window_s
         self.round_timeout_s = round_timeout_s
+        self.release_unshared = release_unshared
         self._pending: list[ChatTurn] = []  # transparent turns, in arrival order
         self._declared: dict[tuple[str, str], list[ChatTurn]] = {}  # (namespace, round_id) -> turns
         self._ready: list[list[ChatTurn]] = []
@@ -158,6 +163,9 @@ class RoundGatherer:
         deadlines = [self._deadline(g) for g in self._declared.values()]
         if self._pending:
             deadlines.append(self._pending_deadline())
+            unchecked = [t.arrival for t in self._pending if not t.sharing]
+            if self.release_unshared and unchecked:
+                deadlines.append(min(unchecked) + self.window_s)
         if self._ready:
             deadlines.append(0.0)
         return min(deadlines, default=None)
@@ -172,7 +180,21 @@ class RoundGatherer:
             members, work.ordinary = self._split(self._pending, now)
             if members:
                 work.rounds.append(members)
+        elif self._pending and self.release_unshared:
+            work.ordinary = self._unshared(now)
         return work
+
+    def _unshared(self, now: float) -> list[ChatTurn]:
+        """Take out the pending turns that came a window ago or more and overlap no other pending
+        turn. A turn once seen overlapping stays (its burst is still coming in): each pending turn
+        is checked about once, not at every arrival."""
+        if not any(not t.sharing and t.arrival + self.window_s <= now for t in self._pending):
+            return []
+        for i in overlapping(self._pending):
+            self._pending[i].sharing = True
+        due = [t for t in self._pending if not t.sharing and t.arrival + self.window_s <= now]
+        self._pending = [t for t in self._pending if t.sharing or t.arrival + self.window_s > now]
+        return due
 
     def _pending_deadline(self) -> float:
         """A window after the last transparent turn came, at most the round timeout after the first."""
@@ -191,7 +213,7 @@ class RoundGatherer:
         self._pending = []
         for turn in turns:
             if turn.agent_key is not None and turn.agent_key in agents:
-                turn.arrival = now
+                turn.arrival, turn.sharing = now, False
                 self._pending.append(turn)
             elif turn.agent_id is not None or id(turn) in joined:
                 members.append(turn)

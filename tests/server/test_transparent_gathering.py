@@ -1,9 +1,13 @@
 """Transparent rounds at the vLLM plugin's front door (`tokendance/vllm_plugin/gathering.py`): which
-chat requests wait, how they become a round's members, whose salt they take, what a reply teaches
-the gatherer; no server needed (the middleware is driven as ASGI)."""
+chat requests wait (never a lone one; under the `quotes` rule only those quoting a reply), how they
+become a round's members, whose salt they take, what a reply teaches the gatherer; no server needed
+(the middleware is driven as ASGI)."""
 
 import asyncio
+import contextlib
 import json
+
+import pytest
 
 from tokendance.round_protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
 from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings, tag_body
@@ -24,15 +28,23 @@ def turn(name: str, order: list[int], **extra) -> dict:
 
 
 def gathering_with_replies() -> Gathering:
-    gathering = Gathering(window_s=0.02, round_timeout_s=0.5)
+    """The `quotes` rule, having answered SAID."""
+    gathering = Gathering(window_s=0.02, round_timeout_s=0.5, rule="quotes")
     for text in SAID:
-        gathering.replies.add(text)
+        gathering.rule.add(text)
     return gathering
 
 
-def admit_all(gathering: Gathering, bodies: list[dict]) -> list[dict]:
+def admit_all(gathering: Gathering, bodies: list[dict], busy: bool = True) -> list[dict]:
+    """The bodies admitted together, each inside `serving` as the middleware admits it; `busy`:
+    while another request is at the endpoint (else the first of them is alone)."""
+    async def one(body):
+        with gathering.serving():
+            return await gathering.admit(body)
+
     async def run():
-        return await asyncio.gather(*(gathering.admit(b) for b in bodies))
+        with gathering.serving() if busy else contextlib.nullcontext():
+            return await asyncio.gather(*(one(b) for b in bodies))
     return asyncio.run(run())
 
 
@@ -52,6 +64,8 @@ def test_a_reply_is_read_whole_or_streamed_with_its_tool_calls():
 def test_a_quote_is_found_behind_a_name_and_short_lines_are_not_keys():
     replies = RecentReplies()
     replies.add(SAID[0] + "\nOK.")
+    assert replies.is_candidate([{"role": "user", "content": f"- {SAID[0]}"}])
+    assert not replies.is_candidate([{"role": "assistant", "content": SAID[0]}])  # its own turn quotes nothing
     assert replies.quoted_in(f"Others said:\n- Abigail: {SAID[0]}")
     assert not replies.quoted_in("OK.\nAbigail thinks the town hall should stay open")
     assert not replies.quoted_in(SAID[1])
@@ -90,6 +104,56 @@ def test_requests_quoting_replies_at_different_positions_form_one_round_per_name
     # a conversation keeps its own salt: its history stays where plain prefix caching put it
     assert [s.get("cache_salt") for s in sent] == [b.get("cache_salt") for b in bodies]
     assert gathering.counts == {"member": 5, "rounds": 2}
+
+
+def test_under_the_shared_rule_text_no_reply_wrote_forms_a_round_and_a_lone_request_is_never_held():
+    """The default rule: a feed the server never wrote (SAID, unanswered here) shared at different
+    positions makes a round of the requests that come together; the same requests one by one (each
+    alone at the endpoint) pass at once; no reply is read."""
+    gathering = Gathering(window_s=0.02, round_timeout_s=0.5)
+    bodies = [turn("Abigail", [0, 1, 2]), turn("Viktor", [1, 0, 2]), turn("Hana", [2, 0, 1])]
+    tags = [s["kv_transfer_params"]["tokendance"] for s in admit_all(gathering, bodies)]
+    assert len({t["round_id"] for t in tags}) == 1 and [t["round_size"] for t in tags] == [3, 3, 3]
+    assert gathering.counts == {"member": 3, "rounds": 1}
+    alone = [s["kv_transfer_params"]["tokendance"] for s in admit_all(gathering, bodies, busy=False)]
+    assert [t["round_size"] for t in alone] == [1, 1, 1] and gathering.counts["passed"] == 3
+    chatting = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France, in one word?"}]}
+    assert own_turn(admit_all(gathering, [chatting])[0])["messages"] == chatting["messages"]  # shares nothing
+    assert gathering.counts["alone"] == 1 and len(gathering.gatherer) == 0 and gathering.num_at_door == 0
+
+    async def send(message):
+        pass
+    assert gathering.reading_replies(send) is send
+
+
+def test_a_request_sharing_nothing_waits_one_window_while_a_burst_keeps_the_gathering_open():
+    """`release_unshared` (the plugin's gatherer): a held turn that overlaps no other a window after
+    it came leaves alone then, not when the burst around it closes; `tokendance serve`'s gatherer
+    keeps it to the end."""
+    from tokendance.round_gathering import ChatTurn, RoundGatherer
+
+    def chat(key: str, lines: list[str], arrival: float) -> ChatTurn:
+        return ChatTurn(key, [{"role": "user", "content": "\n".join(lines)}], None, None, None, arrival=arrival)
+
+    lonely = ["What is the capital of France? Answer in a single word."]
+    burst = [[f"You are agent {i} of Willow Creek.", *SAID[i % 3:], *SAID[:i % 3]] for i in range(8)]
+    released, kept = RoundGatherer(0.05, 0.3, release_unshared=True), RoundGatherer(0.05, 0.3)
+    for g in (released, kept):
+        g.add(chat("lonely", lonely, 0.0))
+        g.add(chat("agent-0", burst[0], 0.01))
+    assert released.next_deadline() == pytest.approx(0.05)  # the lonely turn's window
+    work = released.pop_ready(0.05)
+    assert [t.key for t in work.ordinary] == ["lonely"] and work.rounds == []
+    for g in (released, kept):
+        for i, lines in enumerate(burst[1:], 1):  # one every 40 ms: the burst lasts 280 ms
+            g.add(chat(f"agent-{i}", lines, 0.01 + 0.04 * i))
+    assert released.next_deadline() == pytest.approx(0.06)  # agent 0's window: is it sharing yet?
+    assert released.pop_ready(released.next_deadline()).ordinary == []
+    assert released.next_deadline() == pytest.approx(0.31)  # every agent seen sharing: the round timeout
+    assert [[t.key for t in r] for r in released.pop_ready(0.31).rounds] == [[f"agent-{i}" for i in range(8)]]
+    assert len(released) == 0
+    assert kept.next_deadline() == pytest.approx(0.3) and kept.pop_ready(0.05).ordinary == []
+    assert [t.key for t in kept.pop_ready(0.3).ordinary] == ["lonely"]
 
 
 def test_images_other_models_and_scored_prompts_are_kept_apart():
@@ -133,13 +197,14 @@ def test_a_request_cancelled_while_it_waits_leaves_the_gathering():
     gathering = gathering_with_replies()
 
     async def run():
-        waiting = asyncio.ensure_future(gathering.admit(turn("Abigail", [0, 1])))
-        await asyncio.sleep(0)
-        assert len(gathering.gatherer) == 1
-        waiting.cancel()
-        await asyncio.sleep(0)
+        with gathering.serving(), gathering.serving():  # another request at the endpoint, and this one
+            waiting = asyncio.ensure_future(gathering.admit(turn("Abigail", [0, 1])))
+            await asyncio.sleep(0)
+            assert len(gathering.gatherer) == 1
+            waiting.cancel()
+            await asyncio.sleep(0)
     asyncio.run(run())
-    assert len(gathering.gatherer) == 0
+    assert len(gathering.gatherer) == 0 and gathering.num_at_door == 0
 
 
 class Endpoint:
@@ -178,27 +243,31 @@ def call(middleware, body: dict, reply: dict) -> tuple[dict, int]:
 
 
 def test_the_middleware_learns_replies_and_tags_the_rounds_it_gathers():
-    gathering = Gathering(window_s=0.01, round_timeout_s=0.5)
+    gathering = Gathering(window_s=0.01, round_timeout_s=0.5, rule="quotes")
     middleware = RoundFields(None, endpoint=Endpoint(gathering))
     for said in SAID:
         received, status = call(middleware, {"model": "m", "messages": [{"role": "user", "content": "Speak."}]},
                                 {"choices": [{"index": 0, "message": {"content": said}}]})
         assert status == 200 and "cache_salt" not in received  # quoted nothing: sent on as a round of one
         assert received["kv_transfer_params"]["tokendance"]["round_size"] == 1
-    assert gathering.counts == {"passed": 3}
+    assert gathering.counts == {"passed": 3} and gathering.num_at_door == 0
     received, status = call(middleware, turn("Abigail", [0, 1, 2]), {"choices": []})
+    assert status == 200 and gathering.counts == {"passed": 4}  # it quoted the replies, but came alone: never held
+    with gathering.serving():  # another chat request at the endpoint
+        received, status = call(middleware, turn("Abigail", [0, 1, 2]), {"choices": []})
     assert status == 200 and gathering.counts["alone"] == 1  # it quoted the replies, waited, overlapped none
     assert "cache_salt" not in received and "round_id" not in received
     bad, status = call(middleware, {**turn("Viktor", [1, 0]), "agent_id": ""}, {"choices": []})
     assert status == 400 and bad == {}  # refused before it waits
+    assert gathering.num_at_door == 0
 
 
 def test_a_held_request_whose_client_leaves_is_never_sent_and_its_round_forms_without_it():
     """Three chats quote the same replies; one client leaves while held: it never reaches vLLM, and
     the other two form a round of two (none waits for a member that will never come)."""
-    gathering = Gathering(window_s=0.05, round_timeout_s=1.0)
+    gathering = Gathering(window_s=0.05, round_timeout_s=1.0, rule="quotes")
     for said in SAID:
-        gathering.replies.add(said)
+        gathering.rule.add(said)
     middleware = RoundFields(None, endpoint=Endpoint(gathering))
     received = []
 
@@ -224,8 +293,9 @@ def test_a_held_request_whose_client_leaves_is_never_sent_and_its_round_forms_wi
 
     async def run():
         middleware.app = app
-        await asyncio.gather(client(turn("Abigail", [0, 1, 2]), None), client(turn("Viktor", [1, 2, 0]), 0.01),
-                             client(turn("Hana", [2, 0, 1]), None))
+        with gathering.serving():  # another chat request at the endpoint: none of the three is alone
+            await asyncio.gather(client(turn("Abigail", [0, 1, 2]), None), client(turn("Viktor", [1, 2, 0]), 0.01),
+                                 client(turn("Hana", [2, 0, 1]), None))
     asyncio.run(run())
     assert [r["messages"][0]["content"] for r in received] == ["You are Abigail, who lives in Willow Creek.",
                                                                 "You are Hana, who lives in Willow Creek."]
@@ -238,14 +308,17 @@ def test_the_setting_is_read_from_vllms_transfer_config():
     config = {"kv_connector": "TokenDanceConnector", "kv_connector_extra_config": {"transparent_rounds": True,
                                                                                    "gather_window_s": 0.1}}
     settings = connector_settings(json.dumps(config))
-    assert settings.transparent_rounds and settings.gather_window_s == 0.1
+    assert settings.transparent_rounds and settings.gather_window_s == 0.1 and settings.transparent_rule == "shared"
     assert connector_settings({"kv_connector": "OffloadingConnector"}) is None and connector_settings(None) is None
-    try:
-        connector_settings({**config, "kv_connector_extra_config": {"transparent_rounds": "yes"}})
-    except ValueError as exc:
-        assert "transparent_rounds" in str(exc)
-    else:
-        raise AssertionError("a non-boolean transparent_rounds was accepted")
+    for extra, name in (({"transparent_rounds": "yes"}, "transparent_rounds"), ({"transparent_rule": "all"}, "transparent_rule"),
+                        ({"transparent_rule": ["quotes"]}, "transparent_rule")):
+        try:
+            connector_settings({**config, "kv_connector_extra_config": extra})
+        except ValueError as exc:
+            assert name in str(exc)
+        else:
+            raise AssertionError(f"{extra} was accepted")
+    assert connector_settings({**config, "kv_connector_extra_config": {"transparent_rule": "quotes"}}).transparent_rule == "quotes"
 
 
 def test_a_client_cannot_write_a_gathered_members_tag():

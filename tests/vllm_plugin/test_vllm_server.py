@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
@@ -36,7 +37,9 @@ def server(model_folder):
         port = s.getsockname()[1]
     config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"recompute_ratio": 1.0, "store_gib": 0.5,
-                                            "transparent_rounds": True}}
+                                            # a wider window than the default 0.05 s: on a busy 2-core
+                                            # machine a burst's requests can come 50 ms apart
+                                            "transparent_rounds": True, "gather_window_s": 0.2}}
     env = {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(
@@ -137,34 +140,77 @@ def test_chat_requests_with_round_fields_form_a_round(server):
     assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
 
 
-def test_undeclared_requests_quoting_the_last_rounds_replies_form_a_round(server):
-    """`transparent_rounds: true`: chat requests with no round field, as a real app sends them, that
-    quote the previous round's replies at different positions are gathered into one round (the
-    endpoint's counters and the connector's), their mirrors reuse, and at ratio 1.0 they answer
-    what plain chat answers; requests quoting nothing pass without waiting."""
-    workload = generative_agents(4, 14)
-    first = workload.turns(0, [])
-    members, passed = 'vllm:tokendance_transparent_requests_total{outcome="member"}', \
-        'vllm:tokendance_transparent_requests_total{outcome="passed"}'
-    before = prometheus(server)
-    with ThreadPoolExecutor(4) as pool:
-        said = list(pool.map(lambda t: chat(server, list(t.messages), max_tokens=24), first))
-    middle = prometheus(server)
-    assert middle.get(passed, 0) - before.get(passed, 0) == 4 and middle.get(members, 0) == before.get(members, 0)
-    single = 'vllm:tokendance_rounds_total{formed="single"}'  # each a round of one, keeping its session
-    assert middle.get(single, 0) - before.get(single, 0) == 4
-    history = [{t.agent_id: r.choices[0].message.content.strip() for t, r in zip(first, said)}]
-    second = workload.turns(1, history)
-    with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda t: chat(server, list(t.messages)), second))
-    after = prometheus(server)
-    assert after[members] - middle.get(members, 0) == 4
-    assert after['vllm:tokendance_transparent_requests_total{outcome="rounds"}'] - \
-        middle.get('vllm:tokendance_transparent_requests_total{outcome="rounds"}', 0) == 1
-    formed = 'vllm:tokendance_rounds_total{formed="complete"}'
-    assert after[formed] - middle.get(formed, 0) == 1
+@contextmanager
+def another_chat_in_flight(client):
+    """A streamed chat decoding while the block runs, so that the chat requests sent meanwhile are
+    not alone at the endpoint (a lone request is never held); its client leaves at the end."""
+    stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3000, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))
+    try:
+        yield
+    finally:
+        stream.close()
+
+
+def grew(after: dict, before: dict, name: str, label: str = "") -> float:
+    """How much a /metrics sample (`name{label}`) grew."""
+    key = f"{name}{{{label}}}" if label else name
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def prefilled(replies) -> int:
+    """The prompt tokens vLLM computed itself: neither prefix-cache hits nor the mirrors' claims."""
+    return sum(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens for r in replies)
+
+
+TRANSPARENT = "vllm:tokendance_transparent_requests_total"
+
+
+def gathered(client, turns) -> list:
+    """The turns' chat requests sent together while the server is busy, no round field: the
+    replies, once the endpoint gathered them into one round that formed whole, whose mirrors
+    claimed shared text."""
+    before = prometheus(client)
+    with another_chat_in_flight(client), ThreadPoolExecutor(len(turns)) as pool:
+        replies = list(pool.map(lambda t: chat(client, list(t.messages)), turns))
+    after = prometheus(client)
+    assert grew(after, before, TRANSPARENT, 'outcome="member"') == len(turns)
+    assert grew(after, before, TRANSPARENT, 'outcome="rounds"') == 1
+    assert grew(after, before, "vllm:tokendance_rounds_total", 'formed="complete"') == 1
     assert sum(r.usage.prompt_tokens_details.cached_tokens > 0 for r in replies) >= 2  # the mirrors' claims
+    assert grew(after, before, "vllm:tokendance_claimed_tokens_total") > 0
+    return replies
+
+
+def test_undeclared_requests_sharing_text_form_rounds_whoever_wrote_it(server):
+    """`transparent_rounds: true`, the `shared` rule: chat requests with no round field, as a real app
+    sends them, that come together while the server is busy and share text outside their common
+    prefix are gathered into one round (the endpoint's counters and the connector's). Round 1
+    shares the seed conversation, which the server never wrote; round 2 also quotes the agents'
+    replies. Their mirrors claim the shared text, so vLLM prefills fewer tokens than for the same
+    requests in no round (each in a namespace of its own, or one by one: alone at the endpoint,
+    never held), and at ratio 1.0 they answer alike."""
+    workload = generative_agents(3, 14)
+    first = workload.turns(0, [])
+    said = gathered(server, first)
+    before = prometheus(server)
+    with ThreadPoolExecutor(3) as pool:  # together, but sharing nothing: another cache namespace each
+        apart = list(pool.map(lambda t: chat(server, list(t.messages), cache_salt=f"apart-{t.agent_id}"), first))
+    after = prometheus(server)
+    assert grew(after, before, TRANSPARENT, 'outcome="member"') == 0
+    assert grew(after, before, TRANSPARENT, 'outcome="passed"') + grew(after, before, TRANSPARENT, 'outcome="alone"') == 3
+    assert prefilled(said) < prefilled(apart)
+    assert [r.choices[0].message.content for r in said] == [r.choices[0].message.content for r in apart]
+
+    second = workload.turns(1, [{t.agent_id: r.choices[0].message.content.strip() for t, r in zip(first, said)}])
+    before = prometheus(server)
     plain = [chat(server, list(t.messages), cache_salt=f"plain-transparent-{t.agent_id}") for t in second]
+    after = prometheus(server)
+    assert grew(after, before, TRANSPARENT, 'outcome="passed"') == 3  # each alone at the endpoint: never held
+    assert grew(after, before, "vllm:tokendance_rounds_total", 'formed="single"') == 3  # keeping its session
+    replies = gathered(server, second)
+    assert prefilled(replies) < prefilled(plain)
     assert [r.choices[0].message.content for r in replies] == [p.choices[0].message.content for p in plain]
 
 

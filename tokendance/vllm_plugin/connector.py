@@ -13,8 +13,8 @@ mirrors wait as vLLM's asynchronous loads and, while requests decode, the worker
 passes by at most n full-model token equivalents per engine step), `store_gib` (0: the session
 store's budget; > 0: every round member's KV is kept at rest in Master-Mirror form in the
 workers' memory, and read back where vLLM's prefix cache lost it: `store.py`),
-`transparent_rounds` (false: the endpoint gathers chat requests that name no round into rounds)
-and `gather_window_s` (0.05).
+`transparent_rounds` (false: the endpoint gathers chat requests that name no round into rounds),
+`transparent_rule` (`shared`: which ones it holds; `quotes`) and `gather_window_s` (0.05).
 
 Split by role, as vLLM's larger connectors are: this facade, the scheduler side in the engine core
 (`scheduler_side.py`: the round book of `round_book.py` holds mirrors until their masters are computed,

@@ -182,6 +182,15 @@ class RoundFields:
             return await _reply(send, 400, error_body(f"{deep or 'the body'} nests too deeply", deep or None))
         chat = scope["path"] == "/v1/chat/completions"
         gathering = self.endpoint.gathering if self.endpoint is not None and chat else None
+        if gathering is None:
+            return await self._send_on(scope, receive, send, raw, body, None)
+        with gathering.serving():  # until its answer ends: a request that comes meanwhile is not alone
+            return await self._send_on(scope, receive, send, raw, body, gathering)
+
+    async def _send_on(self, scope, receive, send, raw: bytes, body, gathering):
+        """A guarded route's body, its round fields checked and moved (held first, where the
+        gathering holds it), on to vLLM."""
+        chat = scope["path"] == "/v1/chat/completions"
         if scope["path"] in TAGGED_PATHS and isinstance(body, dict):
             try:
                 if gathering is not None and gathering.may_join(body):
@@ -266,7 +275,8 @@ def transparent_counter():
         from prometheus_client import Counter
 
         _TRANSPARENT_COUNTER = Counter("vllm:tokendance_transparent_requests",
-                                       "transparent rounds: chat requests by outcome (passed: not held; member; "
+                                       "transparent rounds: chat requests by outcome (passed: not held, alone "
+                                       "at the endpoint or not what the rule holds; member; "
                                        "alone: held, no round; left: its client left while held), and rounds "
                                        "formed (outcome rounds)", ["outcome"])
     return _TRANSPARENT_COUNTER
@@ -307,7 +317,8 @@ class RoundsEndpoint:
         self.model_name = names if isinstance(names, str) else names[0]
         settings = connector_settings(getattr(args, "kv_transfer_config", None))
         if settings is not None and settings.transparent_rounds:
-            self.gathering = Gathering(settings.gather_window_s, settings.round_timeout_s, metric=transparent_counter())
+            self.gathering = Gathering(settings.gather_window_s, settings.round_timeout_s, settings.transparent_rule,
+                                       metric=transparent_counter())
             if (getattr(args, "api_server_count", None) or 1) > 1:
                 logger.warning("TokenDance transparent rounds: each of the %d API server processes gathers the "
                                "requests it receives alone; a round forms only among those", args.api_server_count)

@@ -2,14 +2,19 @@
 settings): chat requests that name no round are gathered into rounds, by `tokendance serve`'s rule
 (`tokendance/round_gathering.py`), and tagged for the connector as declared members are.
 
-- Candidates. A request is held only if it quotes a recent reply: a line of one of its
+- Candidates. A lone request is never held: one that comes while no other chat request is at the
+  endpoint (held, or sent on and not answered yet) goes on at once. Otherwise the connector's
+  `transparent_rule` says which are held: `shared` (`AnyText`), every one, whoever wrote the text
+  it may share; `quotes` (`RecentReplies`), one that quotes a recent reply: a line of one of its
   non-assistant messages holds the start (`MIN_SHARED_CHARS` characters from its first word) of a
   line that a chat reply of this server wrote lately (content, or a tool call's string arguments).
   Every other request goes on at once, as a round of one (computed whole; the connector keeps its
   conversation's session). A prompt with a part other than text (an image, audio) goes on untouched.
 - Gathering. Candidates wait until none has come for `gather_window_s`, `round_timeout_s` at most
-  after the first. Those that overlap another (a line in common outside their common prefix) form
-  one round per cache namespace and model (or adapter); the rest go on alone.
+  after the first; one that overlaps no other a window after it came goes on alone then (a
+  request sharing nothing waits a window, however busy the endpoint). Those that overlap another
+  (a line in common outside their common prefix) form one round per cache namespace and model (or
+  adapter); the rest go on alone.
 - Agents and salts. A member is its client's `agent_id` (salted as a declared agent), else its
   conversation: a hash of its namespace, model and first message (an agent's persona, which stays while
   the rest of its prompt changes). A conversation's member keeps its request's cache salt: vLLM's
@@ -24,6 +29,7 @@ settings): chat requests that name no round are gathered into rounds, by `tokend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,6 +39,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
+from tokendance.registry import DEFAULT_TRANSPARENT_RULE, TRANSPARENT_RULES, load
 from tokendance.round_protocol import agent_salt
 from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
 
@@ -125,8 +132,21 @@ def reply_texts(body: bytes, stream: bool) -> list[str]:
     return [text for text in out if text]
 
 
+class AnyText:
+    """`transparent_rule: "shared"`: any chat request may share text with another, whoever wrote it
+    (a feed, a seed post, a world state): each is held, and the gatherer's overlap rule decides."""
+
+    reads_replies = False
+
+    def is_candidate(self, messages: list[dict]) -> bool:
+        return True
+
+
 class RecentReplies:
-    """The keys (`line_key`) of lines that replies wrote lately: an LRU of `capacity` keys."""
+    """`transparent_rule: "quotes"`: a request is held only if it quotes what a reply of this server
+    wrote lately (`quoted_in`). The keys (`line_key`) of those lines: an LRU of `capacity` keys."""
+
+    reads_replies = True
 
     def __init__(self, capacity: int = 1 << 16):
         self.capacity = capacity
@@ -145,6 +165,9 @@ class RecentReplies:
         return any(line[m.start():m.start() + MIN_SHARED_CHARS] in self._keys
                    for line in text.split("\n") for m in WORD_START.finditer(line))
 
+    def is_candidate(self, messages: list[dict]) -> bool:
+        return any(self.quoted_in(m["content"]) for m in messages if m["role"] != "assistant")
+
 
 # How the server names agents no client named: a conversation, a member without an agent_id. A
 # client's agent_id may not start so.
@@ -159,12 +182,15 @@ def conversation_id(namespace: str, messages: list[dict], model=None) -> str:
 class Gathering:
     """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
     candidate until its round forms and returns the body to send on (a member's with its tag for
-    the connector, in `kv_transfer_params.tokendance`); `replies` learns what the server answered.
-    `counts`: requests by outcome (passed, member, alone, left while held) and rounds formed."""
+    the connector, in `kv_transfer_params.tokendance`); `rule` says which requests are candidates
+    (and, for `quotes`, learns what the server answered). `num_at_door`: the chat requests inside
+    `serving` (held, or sent on and not answered yet). `counts`: requests by outcome (passed,
+    member, alone, left while held) and rounds formed."""
 
-    def __init__(self, window_s: float, round_timeout_s: float, metric=None):
-        self.gatherer = RoundGatherer(window_s, round_timeout_s)
-        self.replies = RecentReplies()
+    def __init__(self, window_s: float, round_timeout_s: float, rule: str = DEFAULT_TRANSPARENT_RULE, metric=None):
+        self.gatherer = RoundGatherer(window_s, round_timeout_s, release_unshared=True)
+        self.rule = load(TRANSPARENT_RULES[rule])()
+        self.num_at_door = 0
         self.counts: Counter[str] = Counter()
         self.metric = metric  # a labelled Prometheus counter (outcome), or None
         self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}  # key -> (future, body, cache namespace)
@@ -178,14 +204,25 @@ class Gathering:
                 and body.get("n") in (1, None) and body.get("prompt_logprobs") is None and not body.get("echo")
                 and (body.get("agent_id") is None or isinstance(body.get("agent_id"), str)))
 
+    @contextlib.contextmanager
+    def serving(self):
+        """Around one chat request at the endpoint, from before `admit` to its answer's end (or its
+        client leaving): while it is inside, another request is not lone."""
+        self.num_at_door += 1
+        try:
+            yield
+        finally:
+            self.num_at_door -= 1
+
     async def admit(self, body: dict) -> dict:
-        """The body to send on: this one as it came, or a new one tagged as a round member."""
+        """The body to send on: this one as it came, or a new one tagged as a round member. Called
+        inside `serving`: a request alone at the endpoint goes on at once."""
         messages = chat_lines(body.get("messages"))
         if messages is None or not self.may_join(body):
             return body
         salt = body.get("cache_salt")
         namespace = salt if isinstance(salt, str) else ""
-        if not any(self.replies.quoted_in(m["content"]) for m in messages if m["role"] != "assistant"):
+        if self.num_at_door <= 1 or not self.rule.is_candidate(messages):
             self._count("passed")
             return self._own_turn(body, namespace, messages)
         key = f"gather-{uuid.uuid4().hex}"
@@ -267,7 +304,9 @@ class Gathering:
         return {**body, "kv_transfer_params": {**(params if isinstance(params, dict) else {}), "tokendance": tag}}
 
     def reading_replies(self, send):
-        """`send`, also feeding a successful chat reply's text to `replies`."""
+        """`send`, also feeding a successful chat reply's text to the rule where it reads replies."""
+        if not self.rule.reads_replies:
+            return send
         chunks, state = [], {"ok": False, "stream": False, "size": 0}
 
         async def reading(message):
@@ -285,7 +324,7 @@ class Gathering:
                 if not message.get("more_body", False) and state["size"] <= MAX_REPLY_BYTES:
                     try:
                         for text in reply_texts(b"".join(chunks), state["stream"]):
-                            self.replies.add(text)
+                            self.rule.add(text)
                     except Exception:  # a reply it cannot read teaches nothing; the client still gets it
                         logger.warning("transparent rounds: a reply could not be read for quotes", exc_info=True)
             await send(message)

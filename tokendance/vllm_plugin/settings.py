@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.registry import DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, MAX_ANCHORS, SELECTIONS, valid_anchors
+from tokendance.registry import (DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, DEFAULT_TRANSPARENT_RULE, MAX_ANCHORS,
+                                 SELECTIONS, TRANSPARENT_RULES, valid_anchors)
 from tokendance.reuse.selection import SCORES, make_selector
 
 
@@ -24,6 +25,7 @@ class Settings:
     store_gib: float = 0.0  # the session store's budget (0: no store)
     # the endpoint gathers chat requests that name no round into rounds (`gathering.py`)
     transparent_rounds: bool = False
+    transparent_rule: str = DEFAULT_TRANSPARENT_RULE  # ... which requests it holds (registry.TRANSPARENT_RULES)
     gather_window_s: float = 0.05  # ... closing a gathering once no candidate came for this long
 
     @classmethod
@@ -44,6 +46,9 @@ class Settings:
         if not isinstance(settings.transparent_rounds, bool):
             raise ValueError(f"TokenDanceConnector: transparent_rounds must be true or false, got "
                              f"{settings.transparent_rounds!r}")
+        if not isinstance(settings.transparent_rule, str) or settings.transparent_rule not in TRANSPARENT_RULES:
+            raise ValueError(f"TokenDanceConnector: transparent_rule must be one of {sorted(TRANSPARENT_RULES)}, got "
+                             f"{settings.transparent_rule!r}")
         if not valid_anchors(settings.anchors):
             raise ValueError(f"TokenDanceConnector: anchors must be an integer in [1, {MAX_ANCHORS}], got {settings.anchors!r}")
         selector = make_selector(settings.selection, settings.recompute_ratio)  # validates both
