@@ -33,7 +33,11 @@ from tokendance.registry import DEFAULT_RECOMPUTE_RATIO  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 OASIS_PYTHON = ROOT / ".venv-oasis" / "bin" / "python"
 SERVERS = ("vllm", "vllm+transparent", "tokendance")
-TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # vLLM answers tool calls only so
+# vLLM reads calls out of replies only with these flags. The plugin's parser (every vLLM server here
+# has it: vLLM loads all installed general plugins when VLLM_PLUGINS is unset) forces one-line calls
+# and keeps a cut reply's complete calls; through vLLM's `hermes` the 135M model pretty-prints its
+# forced calls until max_tokens, and a reply cut there yields no call at all.
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "tokendance_hermes"]
 
 
 def wait_model(port: int, timeout: float = 600) -> None:
