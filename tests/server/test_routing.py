@@ -1,16 +1,25 @@
 """The replica routing policy on its own (no Ray, no model): routing keys from request bodies, and
-where rounds, sessions and plain requests go as replicas load up, die and come back."""
+where rounds, sessions and plain requests go as replicas load up, die and come back; split rounds,
+a placement rebuilt from the replicas' logs, and transparent rounds gathered before routing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import dataclass
 
+from tokendance.round_protocol import merge_round_answers, round_answer, turn_usage
 from tokendance.server.routing import (
     PREFIX_SLACK,
+    KeyLog,
     Placement,
+    PromptView,
     Route,
+    TransparentHold,
     agent_key,
     cache_namespace,
+    group_routes,
+    group_sizes,
     rendezvous,
     route_for,
 )
@@ -93,3 +102,107 @@ def test_rendezvous_moves_only_the_keys_of_a_replica_that_leaves():
 def test_a_replica_can_be_addressed_by_rank_for_broadcasts():
     placement = Placement()
     assert [placement.choose(Route("replica", replica=i), REPLICAS, idle)[0] for i in range(4)] == REPLICAS + ["r0"]
+
+
+def test_a_round_larger_than_a_replica_takes_is_split_into_even_groups_placed_apart():
+    assert group_sizes(5, None) == [5] and group_sizes(3, 3) == [3]
+    assert group_sizes(5, 3) == [3, 2] and group_sizes(7, 3) == [3, 2, 2] and group_sizes(9, 3) == [3, 3, 3]
+    for n in range(1, 40):
+        for most in range(1, 9):
+            sizes = group_sizes(n, most)
+            assert sum(sizes) == n and max(sizes) <= most and max(sizes) - min(sizes) <= 1
+            assert len(sizes) == -(-n // most)  # the fewest groups
+    whole = route_for("POST", "/v1/rounds", body(agents=[{"agent_id": f"a{i}"} for i in range(6)]), "")
+    routes = group_routes(whole, group_sizes(6, 2), whole.agents)
+    assert [r.agents for r in routes] == [whole.agents[0:2], whole.agents[2:4], whole.agents[4:6]]
+    placement, placed = Placement(), []
+    for route in routes:  # placed one after the other, as the router sees them
+        placed.append(placement.choose(route, REPLICAS, idle)[0])
+    assert sorted(placed) == REPLICAS  # each group on a replica of its own
+    two = [placement.choose(r, REPLICAS[:2], idle)[0] for r in group_routes(Route("round", "other"), [2, 2, 2])]
+    assert sorted(two.count(r) for r in REPLICAS[:2]) == [1, 2]  # more groups than replicas: as even as they go
+
+
+def test_a_restarted_router_rebuilds_its_placement_from_the_replicas_logs():
+    logs = {r: KeyLog() for r in REPLICAS}
+    first = Placement()
+    moved = route_for("POST", "/v1/chat/completions", body(agent_id="moved"), "")
+    for i in range(6):
+        route = route_for("POST", "/v1/chat/completions", body(agent_id=f"a{i}", round_id=f"r{i % 2}"), "")
+        logs[first.choose(route, REPLICAS, idle)[0]].note(route)
+    logs["r0"].note(moved)
+    logs["r2"].note(moved)  # sent to r2 later (r0 died meanwhile, say): r2 holds it now
+    logs["r1"].note(Route("prefix", "|hello"))  # not a placement: never logged
+    restarted = Placement()
+    assert restarted.restore({r: json.loads(json.dumps(log.keys())) for r, log in logs.items()}) == 9
+    for key, replica in first.owner.items():
+        assert restarted.owner[key] == replica
+    assert restarted.owner[moved.key] == "r2"
+    assert restarted.choose(moved, REPLICAS, lambda r: 100 if r == "r2" else 0)[0] == "r2"
+
+
+def test_a_route_avoids_the_replica_that_failed_it_and_its_agents_move():
+    placement = Placement()
+    route = route_for("POST", "/v1/chat/completions", body(agent_id="x"), "")
+    home = placement.choose(route, REPLICAS, idle)[0]
+    retry = Route(route.kind, route.key, route.agents, avoid=(home,))
+    elsewhere = placement.choose(retry, REPLICAS, idle)[0]
+    assert elsewhere != home
+    assert placement.choose(route, REPLICAS, idle)[0] == elsewhere  # its next turn follows
+    assert placement.choose(Route("any", avoid=tuple(REPLICAS)), REPLICAS, idle)  # nowhere else: anywhere
+
+
+def test_ray_serves_prefix_router_reads_the_prompt_of_a_request():
+    chat = PromptView({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.messages == [{"role": "user", "content": "hi"}] and not hasattr(chat, "prompt")
+    completion = PromptView({"prompt": "Once upon a time"})
+    assert completion.prompt == "Once upon a time" and not hasattr(completion, "messages")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    num_replicas: int = 2
+    max_round_agents: int | None = 2
+    gather_window_s: float = 0.05
+    round_timeout_s: float = 1.0
+
+
+def test_chat_requests_sharing_text_leave_the_hold_together_and_the_rest_as_they_came():
+    feed = "The mill by the river burned down last night, and nobody knows why yet."
+
+    def chat(name: str, shared: bool) -> dict:
+        said = feed if shared else f"{name} has nothing to share with anybody here today, really."
+        return {"model": "m", "messages": [{"role": "system", "content": f"You are {name}."},
+                                           {"role": "user", "content": said}]}
+
+    async def gather():
+        hold = TransparentHold(Fleet())
+        names = ["ann", "bob", "cid", "dan"]
+        requests = [chat(n, shared=n != "dan") for n in names]
+        fallbacks = [Route("prefix", f"sim|{n}") for n in names]
+        return await asyncio.gather(*(hold.route(r, f, "sim") for r, f in zip(requests, fallbacks))), hold
+
+    routes, hold = asyncio.run(gather())
+    assert routes[3] == Route("prefix", "sim|dan")  # shares nothing: as it came
+    assert [r.kind for r in routes[:3]] == ["round"] * 3
+    assert routes[0] == routes[1] != routes[2]  # three members, at most two per replica: groups 2 + 1
+    assert routes[2].key in routes[0].siblings and len(hold.waiting) == 0 and len(hold.gatherer) == 0
+
+
+def test_a_split_rounds_answers_merge_in_the_requests_order_with_the_split():
+    def part(agents: list[str], seconds: float, computed: int) -> dict:
+        outputs = [{"agent_id": a, "message": {"role": "assistant", "content": a.upper()}, "finish_reason": "stop",
+                    "usage": turn_usage(10, 2, 4)} for a in agents]
+        return round_answer("round-1", "m", outputs, {"mode": "vllm+tokendance", "num_agents": len(agents),
+                                                      "round_seconds": seconds, "prompt_tokens": 10 * len(agents),
+                                                      "computed_tokens": computed, "compression": 2.0 * len(agents)})
+
+    merged = merge_round_answers([part(["a", "b"], 1.5, 7), part(["c"], 2.5, 3)], ["r0", "r1"])
+    assert [o["agent_id"] for o in merged["outputs"]] == ["a", "b", "c"]
+    assert merged["split"] == [{"replica": "r0", "agents": ["a", "b"]}, {"replica": "r1", "agents": ["c"]}]
+    assert merged["usage"] == turn_usage(30, 6, 12) and merged["round"]["num_agents"] == 3
+    stats = merged["stats"]
+    assert stats["num_agents"] == 3 and stats["round_seconds"] == 2.5 and stats["prompt_tokens"] == 30
+    assert stats["computed_tokens"] == 10 and stats["mode"] == "vllm+tokendance"
+    assert stats["compression"] == (4.0 * 2 + 2.0 * 1) / 3  # a ratio: the agents' mean
+    assert stats["kv_bytes_per_agent"] is None  # no group knew it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from tokendance import registry
 from tokendance.cli_types import parse_bytes
@@ -71,6 +72,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "rounds and agents are routed to the replica that holds their KV")
     add("--ray-address", default=None,
         help="with --replicas: join this Ray cluster (e.g. auto, or ray://HOST:10001) instead of starting one")
+    add("--engine", default="tokendance", choices=["tokendance", "vllm"],
+        help="what each replica runs: this engine, or vLLM with the TokenDance connector (`vllm serve`, a fleet "
+             "on Ray Serve even with --replicas 1; --model then names a Hugging Face folder)")
+    add("--router", default="tokendance", choices=["tokendance", "prefix", "pow2"],
+        help="with replicas: how requests pick one (tokendance: rounds, sessions and prefixes where their KV is; "
+             "prefix: Ray Serve's PrefixCacheAffinityRouter; pow2: Ray Serve's default)")
+    add("--max-round-agents", type=int, default=None,
+        help="with replicas: a round with more agents is split into groups, each on one replica (default: never)")
+    add("--vllm-python", default=sys.executable,
+        help="with --engine vllm: the Python that has vLLM and this package (default: this one)")
+    add("--vllm-arg", action="append", default=None,
+        help="with --engine vllm: one more argument for each `vllm serve`; repeat, e.g. --vllm-arg=--enforce-eager")
+    add("--store-gib", type=float, default=0.0,
+        help="with --engine vllm: each replica's session store (the connector's store_gib)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -84,6 +99,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise InvalidRequestError("--replicas must be >= 1")
+    if args.max_round_agents is not None and args.max_round_agents < 1:
+        raise InvalidRequestError("--max-round-agents must be >= 1")
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
                    "anchors": args.anchors, "masters": args.masters,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
@@ -92,7 +109,8 @@ def run_server(args: argparse.Namespace) -> int:
                 **{k: v for k, v in engine_args.items() if v is not None}}
     EngineConfig(**llm_args)  # the engine's own checks, before the long load
     server_config(args, args.served_model_name or "model")
-    check_model_path(args.model)
+    if args.engine == "tokendance":
+        check_model_path(args.model)
     # Bind first: a busy port fails in a second with one line, not after loading the model.
     try:
         sock = socket.create_server((args.host, args.port), backlog=2048)
@@ -100,14 +118,17 @@ def run_server(args: argparse.Namespace) -> int:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         print(f"error: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 1
-    if args.replicas > 1 or args.ray_address:
+    if args.replicas > 1 or args.ray_address or args.engine == "vllm":
         sock.close()  # Ray Serve's proxy listens there
         try:
             from tokendance.server.replicas import run_replicas
         except ImportError as exc:
             print(f"error: --replicas needs Ray Serve: pip install 'tokendance[ray]' ({exc})", file=sys.stderr)
             return 1
-        return run_replicas(args, llm_args, server_config(args, args.served_model_name))
+        name = args.served_model_name or ("smollm2" if args.engine == "vllm" and not args.model else None)
+        if args.engine == "vllm" and name is None:
+            name = os.path.basename(os.path.normpath(args.model))
+        return run_replicas(args, llm_args, server_config(args, name))
     return _serve_one(args, sock, llm_args)
 
 

@@ -16,29 +16,48 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import json
 import logging
 import os
 import signal
-import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.context import _set_request_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tokendance.round_protocol import RoundFieldError, check_round_request, merge_round_answers
 from tokendance.server.gate import OPEN_PATHS, read_body, tenant_of
 from tokendance.server.metrics import split_sample, with_label
 from tokendance.server.protocol import ApiError
-from tokendance.server.routing import Placement, Route, route_for
+from tokendance.server.routing import (MAX_OWNED_KEYS, KeyLog, PromptView, Route, TransparentHold, cache_namespace,
+                                       group_routes, group_sizes, route_for, shared_placement)
 
 log = logging.getLogger("tokendance.server")
 REPLICA_HEADER = "x-tokendance-replica"  # which replica answered (every response carries it)
-REPLICA_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+ROUND_GROUP_HEADER = "x-tokendance-round-group"  # "g/G": a split declared round's member ran in group g of G
 
 
-PLACEMENT = Placement()  # one per process: every handle's router (Ray makes one per handle) shares it
+class ReplicaGone(RuntimeError):
+    """A replica's server did not answer (it died or is restarting): retry elsewhere."""
+
+    def __init__(self, replica: str, reason: str):
+        super().__init__(replica, reason)  # both in args: Ray pickles it back to the caller
+        self.replica = replica
+
+    def __str__(self) -> str:
+        return f"replica {self.args[0]}: {self.args[1]}"
+
+
+REPLICA_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaGone)
 
 
 class KVAffinityRouter(RequestRouter):
@@ -46,7 +65,7 @@ class KVAffinityRouter(RequestRouter):
     Requests carry their `Route` as the `route` keyword argument."""
 
     def initialize_state(self, **kwargs) -> None:
-        self.placement = PLACEMENT
+        self.placement = shared_placement()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -62,8 +81,24 @@ class KVAffinityRouter(RequestRouter):
         return [rank for rank in (ranked[:1], ranked[1:]) if rank]
 
 
-@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=KVAffinityRouter),
-                  max_ongoing_requests=4096, health_check_period_s=2, health_check_timeout_s=30)
+def router_config(name: str) -> RequestRouterConfig | None:
+    """The request router of a fleet's replicas: `tokendance` (KVAffinityRouter), `prefix` (Ray
+    Serve's PrefixCacheAffinityRouter) or `pow2` (Ray Serve's default, power of two choices)."""
+    if name == "tokendance":
+        return RequestRouterConfig(request_router_class=KVAffinityRouter)
+    if name == "prefix":  # Ray's public path imports ray.serve.llm, which needs pyarrow
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter)
+        return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
+    if name == "pow2":
+        return None
+    raise ValueError(f"unknown router {name!r}; known: {ROUTERS}")
+
+
+ROUTERS = ("tokendance", "prefix", "pow2")
+
+
+@serve.deployment(max_ongoing_requests=4096, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     """One engine and the single-process app over it; `http` serves one request through it."""
 
@@ -79,15 +114,18 @@ class EngineReplica:
         self.app = create_app(llm, server_config)
         self.loop = self.app.state.engine_loop
         self.loop.start()
+        self.placed = KeyLog()  # round and agent keys routed here (a restarted endpoint reads them)
 
     def check_health(self) -> None:
         if not self.loop.is_alive:
             raise RuntimeError(f"the engine thread died: {self.loop.error}")
 
-    async def http(self, method: str, path: str, query: bytes, headers: list, body: bytes, route: Route):
+    async def http(self, method: str, path: str, query: bytes, headers: list, body: bytes, view=None,
+                   route: Route | None = None):
         """The ASGI messages of the app's answer, as they come; the client leaving (the caller
         cancelling) reaches the app as a disconnect, which aborts the request's engine work."""
         sent, gone, messages = False, asyncio.Event(), asyncio.Queue()
+        self.placed.note(route)
 
         async def receive():
             nonlocal sent
@@ -125,7 +163,23 @@ class EngineReplica:
             await asyncio.wait({task}, timeout=30)
 
     def pid(self, route: Route | None = None) -> dict:
-        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive}
+        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive, "engine": "tokendance"}
+
+    def placements(self, route: Route | None = None) -> dict:
+        return {"replica": self.name, "keys": self.placed.keys()}
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """What the endpoint adds to routing: `max_round_agents`, the most agents one replica serves in a
+    round (a larger round is split into groups; None: never split); `gather_window_s` > 0: chat
+    requests that name no round are gathered for a window (`RoundGatherer`, the replicas' own rule),
+    and those sharing text are sent to one replica as one round."""
+
+    num_replicas: int
+    max_round_agents: int | None = None
+    gather_window_s: float = 0.0
+    round_timeout_s: float = 2.0
 
 
 @serve.deployment(max_ongoing_requests=8192, ray_actor_options={"num_cpus": 0})
@@ -133,10 +187,15 @@ class Ingress:
     """The endpoint: checks the API key and body size (before and while reading the body), picks
     each request's route, forwards it and streams the replica's answer back."""
 
-    def __init__(self, engine, server_config, num_replicas: int):
+    def __init__(self, engine, server_config, fleet: FleetConfig):
         self.engine = engine
         self.config = server_config
-        self.num_replicas = num_replicas
+        self.fleet = fleet
+        self.num_replicas = fleet.num_replicas
+        self.hold = TransparentHold(fleet) if fleet.gather_window_s > 0 else None
+        self.chats = 0  # chat requests at the endpoint (held, or sent and not answered yet)
+        self.declared: OrderedDict[str, int] = OrderedDict()  # split declared rounds -> members seen
+        self.restored: int | None = None  # keys read back from the replicas at start (None: not yet)
 
     async def __call__(self, request: Request) -> Response:
         path, method = request.url.path, request.method
@@ -151,29 +210,108 @@ class Ingress:
             return Response(status_code=499)  # the client left while sending
         if isinstance(body, ApiError):
             return _error(body)
+        if self.restored is None:
+            await self._restore_placement()
         if path == "/metrics":
             return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4")
         if path == "/v1/replicas":
-            return JSONResponse({"object": "list", "data": await self._broadcast_json("pid")})
+            return JSONResponse({"object": "list", "data": await self._broadcast_json("pid"),
+                                 "router": {"pid": os.getpid(), "restored_keys": self.restored}})
         if method == "DELETE" and path.startswith("/v1/agents/"):  # wherever its session is
             return await self._delete(request, body)
         route = route_for(method, path, body, tenant or "")
-        return await self._forward(request, body, route)
+        data = _json_object(body) if route.kind != "any" else None
+        if path == "/v1/rounds" and data is not None and len(group_sizes(len(route.agents), self.fleet.max_round_agents)) > 1:
+            return await self._split_round(request, data, route)
+        if path != "/v1/chat/completions" or data is None:
+            return await self._forward(request, body, route, PromptView(data))
+        self.chats += 1
+        try:
+            headers = {}
+            if route.kind == "round":
+                body, route, headers = self._declared_group(data, body, route)
+            elif route.kind == "prefix" and self.hold is not None and self.chats > 1:
+                salt = data.get("cache_salt")
+                route = await self.hold.route(data, route, cache_namespace(tenant or "", salt if isinstance(salt, str) else None))
+            response = await self._forward(request, body, route, PromptView(data), headers)
+        except BaseException:
+            self.chats -= 1
+            raise
+        return _when_sent(response, self._chat_done)
 
-    async def _forward(self, request: Request, body: bytes, route: Route, replica: int | None = None) -> Response:
+    def _chat_done(self) -> None:
+        self.chats -= 1
+
+    async def _forward(self, request: Request, body: bytes, route: Route, view=None, headers: dict | None = None,
+                       replica: int | None = None) -> Response:
         if replica is not None:
             route = Route("replica", replica=replica)
-        args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+        args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body, view)
         for attempt in (1, 2):  # a replica that died before answering: once more, elsewhere
             stream = self.engine.options(stream=True).http.remote(*args, route=route)
             try:
                 start = await stream.__anext__()
             except REPLICA_FAILURES as exc:
                 log.warning("replica failed before answering (attempt %d): %s", attempt, exc)
+                if isinstance(exc, ReplicaGone):
+                    route = dataclasses.replace(route, avoid=(*route.avoid, exc.replica))
                 continue
-            return StreamingResponse(_bodies(stream), status_code=start["status"], headers=_headers(start))
+            return StreamingResponse(_bodies(stream), status_code=start["status"],
+                                     headers={**_headers(start), **(headers or {})})
         return _error(ApiError(503, "no engine replica could answer this request; retry later",
                                type="server_error", code="replica_unavailable"), retry_after=True)
+
+    def _declared_group(self, data: dict, body: bytes, route: Route) -> tuple[bytes, Route, dict]:
+        """A chat member of a declared round larger than a replica takes: the group its arrival
+        falls in (groups fill in arrival order), renamed `<round_id>~<group>` with the group's size."""
+        size = data.get("round_size")
+        sizes = group_sizes(size, self.fleet.max_round_agents) if isinstance(size, int) else [0]
+        if len(sizes) == 1:
+            return body, route, {}
+        seen = self.declared.pop(route.key, 0)
+        if seen + 1 < size:
+            self.declared[route.key] = seen + 1
+            while len(self.declared) > MAX_OWNED_KEYS:
+                self.declared.popitem(last=False)
+        group = next(g for g, end in enumerate(itertools.accumulate(sizes)) if seen % size < end)
+        data = {**data, "round_id": f"{data['round_id']}~{group}", "round_size": sizes[group]}
+        placed = dataclasses.replace(group_routes(route, sizes)[group], agents=route.agents)
+        return json.dumps(data).encode(), placed, {ROUND_GROUP_HEADER: f"{group}/{len(sizes)}"}
+
+    async def _split_round(self, request: Request, data: dict, route: Route) -> Response:
+        """A /v1/rounds request with more agents than a replica takes: one round per group, each on
+        its replica, sent at once; the answer is theirs merged, with `split` saying which agents
+        each replica served."""
+        try:
+            check_round_request(data)
+        except RoundFieldError:  # the replica answers the mistake
+            return await self._forward(request, json.dumps(data).encode(), route, PromptView(data))
+        sizes, agents = group_sizes(len(route.agents), self.fleet.max_round_agents), data["agents"]
+        bounds, routes = [0, *itertools.accumulate(sizes)], group_routes(route, sizes, route.agents)
+
+        async def group(g: int):
+            _set_request_context(_internal_request_id=uuid.uuid4().hex)  # a call of its own for Ray's router
+            members = agents[bounds[g]:bounds[g + 1]]
+            response = await self._forward(request, json.dumps({**data, "agents": members}).encode(), routes[g],
+                                           PromptView(data))
+            return response, b"".join([chunk async for chunk in response.body_iterator])
+
+        answers = await asyncio.gather(*(group(g) for g in range(len(sizes))))
+        failed = next(((r, b) for r, b in answers if r.status_code != 200), None)
+        if failed is not None:
+            return Response(failed[1], status_code=failed[0].status_code, media_type="application/json")
+        parts = [json.loads(b) for _r, b in answers]
+        replicas = [r.headers.get(REPLICA_HEADER, "") for r, _b in answers]
+        return JSONResponse(merge_round_answers(parts, replicas))
+
+    async def _restore_placement(self) -> None:
+        """Once, at the first request: read back where rounds and agents were placed from the
+        replicas (the endpoint may be a restarted one), so that no agent loses its replica."""
+        self.restored = 0
+        logs = {found["replica"]: found["keys"] for found in await self._broadcast_json("placements")}
+        self.restored = shared_placement().restore(logs)
+        if self.restored:
+            log.info("placement restored from the replicas: %d round and agent keys", self.restored)
 
     async def _replies(self, method: str, path: str) -> list[tuple[int, dict, bytes]]:
         """(status, headers, body) from every replica, once each."""
@@ -240,6 +378,32 @@ async def _each_replica(call, num_replicas: int) -> list:
     return results
 
 
+def _json_object(body: bytes) -> dict | None:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _when_sent(response: Response, done) -> Response:
+    """`response`, calling `done()` once its body was sent (or the client left)."""
+    if not isinstance(response, StreamingResponse):
+        done()
+        return response
+    inner = response.body_iterator
+
+    async def body():
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            done()
+
+    response.body_iterator = body()
+    return response
+
+
 async def _bodies(stream):
     try:
         async for message in stream:
@@ -263,8 +427,6 @@ def _error(error: ApiError, retry_after: bool = False) -> JSONResponse:
 def _wait_until_routable(args, server_config, timeout_s: float = 300) -> None:
     """Until the ingress's router sees every replica (Ray reports the app ready before that, and
     a first round placed meanwhile would all land on the one it knows)."""
-    import json
-    import time
     import urllib.request
 
     headers = {"Authorization": f"Bearer {server_config.api_keys[0]}"} if server_config.api_keys else {}
@@ -286,7 +448,6 @@ def run_replicas(args, llm_args: dict, server_config) -> int:
     import ray
 
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    llm_args = {**llm_args, "num_threads": threads}
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     else:  # a Ray instance of its own: never whatever cluster RAY_ADDRESS or Ray's address file names
@@ -294,16 +455,27 @@ def run_replicas(args, llm_args: dict, server_config) -> int:
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                  num_cpus=max(os.cpu_count() or 1, args.replicas * threads))
     serve.start(http_options={"host": args.host, "port": args.port})
-    engine = EngineReplica.options(num_replicas=args.replicas,
-                                   ray_actor_options={"num_cpus": threads}).bind(llm_args, server_config, args.warm_up)
-    serve.run(Ingress.bind(engine, server_config, args.replicas), name="tokendance", route_prefix="/")
+    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": threads}}
+    routing = router_config(args.router)
+    if routing is not None:
+        options["request_router_config"] = routing
+    if args.engine == "vllm":
+        from tokendance.server.vllm_replica import VllmReplica, vllm_launch
+
+        engine = VllmReplica.options(**options).bind(vllm_launch(args, threads, server_config))
+    else:
+        engine = EngineReplica.options(**options).bind({**llm_args, "num_threads": threads}, server_config,
+                                                       args.warm_up)
+    fleet = FleetConfig(args.replicas, args.max_round_agents, server_config.gather_window_s, server_config.round_timeout_s)
+    serve.run(Ingress.bind(engine, server_config, fleet), name="tokendance", route_prefix="/")
     _wait_until_routable(args, server_config)
-    print(f"serving {server_config.model_name or 'the model'} on {args.replicas} replicas ({threads} threads each) "
-          f"on http://{args.host}:{args.port}/v1", flush=True)
-    stop = threading.Event()
+    print(f"serving {server_config.model_name or 'the model'} on {args.replicas} {args.engine} replicas "
+          f"({threads} threads each, router {args.router}) on http://{args.host}:{args.port}/v1", flush=True)
+    stopped: list[int] = []  # a flag only: a handler that takes a lock can deadlock on a second signal
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda number, _frame: stopped.append(number))
+    while not stopped:
+        time.sleep(0.2)
     serve.shutdown()
     ray.shutdown()
     return 0

@@ -13,15 +13,29 @@ helps if its next turn returns there. So:
 - anything else goes by prefix affinity with bounded load: the replica its prompt's opening hashes
   to (rendezvous hashing, so it sticks as replicas come and go), unless that replica runs
   `PREFIX_SLACK` more requests than the least loaded one.
+
+The same policy serves both engines' fleets (`tokendance serve --replicas K`, with `--engine
+vllm` a fleet of vLLM servers with the connector). Two more rules come from the endpoint
+(`replicas.py`): undeclared chat requests that share text are gathered into one round before they
+are routed (`transparent_route`), and a round with more agents than a replica takes
+(`--max-round-agents`) is split into groups (`group_sizes`), each group a round of its own.
+Each replica logs the keys it was sent (`KeyLog`), so a restarted endpoint rebuilds its placement
+from them (`Placement.restore`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import itertools
 import json
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from tokendance.round_gathering import ChatTurn, RoundGatherer, chat_lines
 
 PREFIX_CHARS = 512  # the opening of a prompt that prefix affinity hashes
 PREFIX_SLACK = 4  # requests a preferred replica may run beyond the least loaded before it is passed over
@@ -38,6 +52,20 @@ class Route:
     key: str = ""
     agents: tuple[str, ...] = ()
     replica: int | None = None
+    avoid: tuple[str, ...] = ()  # replicas that already failed this request
+    siblings: tuple[str, ...] = ()  # the other groups of a split round: placed apart where they can be
+
+
+class PromptView:
+    """What Ray Serve's own prefix-aware router reads of a request: its `messages` (a chat) or its
+    `prompt` (anything else), as an argument of the replica's call."""
+
+    def __init__(self, data):
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list):
+            self.messages = messages
+        else:
+            self.prompt = _opening(data) if isinstance(data, dict) else ""
 
 
 def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
@@ -83,6 +111,40 @@ def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
     return Route("prefix", f"{scope}|{_opening(data)}")
 
 
+def conversation_key(namespace: str, messages: list[dict]) -> str:
+    """The router's name for an anonymous agent of a transparent round: its conversation, by its
+    first message (an agent's persona stays while the rest of its prompt changes)."""
+    first = json.dumps(messages[0], sort_keys=True) if messages else ""
+    return agent_key(namespace, "conversation-" + hashlib.sha256(first.encode()).hexdigest()[:16])
+
+
+def transparent_route(namespace: str, conversations: Sequence[str]) -> Route:
+    """The route of a transparent round's members (one round: one replica), placed where most of
+    their conversations were."""
+    names = tuple(sorted(set(conversations)))
+    digest = hashlib.sha256("|".join(names).encode()).hexdigest()[:16]
+    return Route("round", f"{namespace}|transparent|{digest}", names)
+
+
+def group_routes(route: Route, sizes: list[int], agents: Sequence[str] = ()) -> list[Route]:
+    """The routes of a round split in groups of `sizes` (its `agents` in order, if known): each
+    group a round of its own, placed apart from the others where the replicas allow."""
+    keys = [f"{route.key}~{g}" for g in range(len(sizes))]
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [Route("round", key, tuple(agents[bounds[g]:bounds[g + 1]]),
+                  siblings=tuple(k for k in keys if k != key)) for g, key in enumerate(keys)]
+
+
+def group_sizes(num_agents: int, most: int | None) -> list[int]:
+    """How a round of `num_agents` is split so that no group has more than `most` (None: one
+    group): the fewest groups, as even as they come, larger groups first."""
+    if not most or num_agents <= most:
+        return [num_agents]
+    groups = -(-num_agents // most)
+    base, extra = divmod(num_agents, groups)
+    return [base + (i < extra) for i in range(groups)]
+
+
 def _opening(data: dict) -> str:
     """The first characters of a request's prompt: its messages' texts (a response's
     instructions and input items), or its prompt."""
@@ -123,7 +185,7 @@ class Placement:
     def choose(self, route: Route, replicas: Sequence[str], load: Callable[[str], int]) -> list[str]:
         """`replicas` alive now (in a stable order); `load(r)`: requests running on r. Returns the
         replicas in order of preference (the first is where the request should run)."""
-        replicas = list(replicas)
+        replicas = [r for r in replicas if r not in route.avoid] or list(replicas)
         if not replicas:
             return []
         if route.kind == "replica":
@@ -156,11 +218,120 @@ class Placement:
         for holder in self.owner.values():
             if holder in owned:
                 owned[holder] += 1
-        # the least loaded, counting what it already owns; ties go by the key's hash
-        return min(rendezvous(route.key, replicas), key=lambda r: (load(r), owned[r]))
+        groups = [self.owner.get(key) for key in route.siblings]
+        # apart from its round's other groups, then the least loaded, counting what it already
+        # owns; ties go by the key's hash
+        return min(rendezvous(route.key, replicas), key=lambda r: (groups.count(r), load(r), owned[r]))
+
+    def restore(self, logs: dict[str, list[tuple[str, float]]]) -> int:
+        """Rebuild the placement from the replicas' `KeyLog`s ({replica: [(key, when)]}): a key
+        sent to several replicas belongs to the latest. Keys placed since are kept. Returns the
+        keys restored."""
+        last: dict[str, tuple[float, str]] = {}
+        for when, key, replica in sorted((w, k, r) for r, keys in logs.items() for k, w in keys):
+            last[key] = (when, replica)
+        restored = 0
+        for key, (_when, replica) in sorted(last.items(), key=lambda item: item[1][0]):
+            if key not in self.owner:
+                self._remember(key, replica)
+                restored += 1
+        return restored
 
     def _remember(self, key: str, replica: str) -> None:
         self.owner[key] = replica
         self.owner.move_to_end(key)
         while len(self.owner) > MAX_OWNED_KEYS:
             self.owner.popitem(last=False)
+
+
+_PLACEMENT: list[Placement] = []
+
+
+def shared_placement() -> Placement:
+    """The process's one placement, which every request router of a handle (Ray makes one per
+    handle) and the endpoint share. Looked up when called: Ray may pickle the endpoint's class by
+    value, and a module global it named would travel as a copy."""
+    if not _PLACEMENT:
+        _PLACEMENT.append(Placement())
+    return _PLACEMENT[0]
+
+
+class KeyLog:
+    """The round and agent keys routed to one replica, with when they were last: what a restarted
+    endpoint rebuilds its `Placement` from. Bounded as the placement is."""
+
+    def __init__(self):
+        self._keys: OrderedDict[str, float] = OrderedDict()
+
+    def note(self, route: Route | None) -> None:
+        if route is None or route.kind not in ("round", "session"):
+            return
+        now = time.time()
+        for key in (route.key, *route.agents):
+            self._keys[key] = now
+            self._keys.move_to_end(key)
+        while len(self._keys) > MAX_OWNED_KEYS:
+            self._keys.popitem(last=False)
+
+    def keys(self) -> list[tuple[str, float]]:
+        return list(self._keys.items())
+
+
+class TransparentHold:
+    """Chat requests that name no round, held at the endpoint for a gather window by the replicas'
+    own rule (`RoundGatherer`): those that share text leave together with one round route (split
+    into groups of at most `max_round_agents`), the others with the route they came with. The
+    caller holds only a request that came while another chat request is at the endpoint."""
+
+    def __init__(self, fleet):
+        self.gatherer = RoundGatherer(fleet.gather_window_s, fleet.round_timeout_s, release_unshared=True)
+        self.most = fleet.max_round_agents
+        self.waiting: dict[str, tuple[asyncio.Future, Route]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def route(self, data: dict, fallback: Route, namespace: str) -> Route:
+        """The route of a chat request (`data`) in cache namespace `namespace`, once its gathering
+        closed."""
+        messages = chat_lines(data.get("messages"))
+        if messages is None:
+            return fallback
+        key, future = uuid.uuid4().hex, asyncio.get_running_loop().create_future()
+        namespace = json.dumps([namespace, str(data.get("model"))])  # a round runs on one model
+        self.waiting[key] = (future, fallback)
+        self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace, arrival=time.monotonic()))
+        self._arm()
+        try:
+            return await future
+        finally:
+            if self.waiting.pop(key, None) is not None:  # its client left while it waited
+                self.gatherer.remove(key)
+
+    def _arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        deadline = self.gatherer.next_deadline()
+        self.timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._release)
+
+    def _release(self) -> None:
+        self.timer = None
+        work = self.gatherer.pop_ready(time.monotonic())
+        for turn in work.ordinary:
+            self._answer(turn.key, None)
+        for members in work.rounds:
+            names = [conversation_key(t.namespace, t.messages) for t in members]
+            sizes = group_sizes(len(members), self.most)
+            routes = group_routes(transparent_route(members[0].namespace, names), sizes, names)
+            if len(routes) == 1:
+                routes = [transparent_route(members[0].namespace, names)]
+            start = 0
+            for route, size in zip(routes, sizes):
+                for turn in members[start:start + size]:
+                    self._answer(turn.key, route)
+                start += size
+        self._arm()
+
+    def _answer(self, key: str, route: Route | None) -> None:
+        future, fallback = self.waiting.pop(key, (None, None))
+        if future is not None and not future.done():
+            future.set_result(route or fallback)

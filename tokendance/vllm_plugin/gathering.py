@@ -41,7 +41,7 @@ from collections.abc import Iterable
 
 from tokendance.registry import DEFAULT_TRANSPARENT_RULE, TRANSPARENT_RULES, load
 from tokendance.round_protocol import agent_salt
-from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, RoundGatherer
+from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, RoundGatherer, chat_lines
 
 logger = logging.getLogger("tokendance.vllm")
 WORD_START = re.compile(r"(?<!\w)\w")
@@ -55,30 +55,6 @@ def line_key(line: str) -> str | None:
     if start is None or len(line.rstrip()) - start.start() < MIN_SHARED_CHARS:
         return None
     return line[start.start():start.start() + MIN_SHARED_CHARS]
-
-
-def message_text(content) -> str | None:
-    """A chat message's text (string content, or text parts only); None otherwise: a prompt with an
-    image or audio part is never tagged (its token ids do not say what the part holds)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "\n".join(p["text"] for p in content)
-    return None
-
-
-def chat_lines(messages) -> list[dict] | None:
-    """The messages as `{role, content}` text (what the gatherer compares), None if malformed."""
-    if not isinstance(messages, list) or not messages:
-        return None
-    out = []
-    for m in messages:
-        text = message_text(m.get("content")) if isinstance(m, dict) else None
-        if text is None or not isinstance(m.get("role"), str):
-            return None
-        out.append({"role": m["role"], "content": text})
-    return out
 
 
 def strings(value) -> Iterable[str]:
