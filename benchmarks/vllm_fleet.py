@@ -3,8 +3,9 @@ three ways over the same replicas, and one replica alone, on the same workloads.
 
 For each setup it starts a fresh fleet (`--replicas`, one core each; the single replica gets every
 core), runs each workload as one `tokendance bench --target` simulation (open loop: the same
-prompts for every setup) with rounds declared, then undeclared (transparent rounds: the endpoint
-gathers requests that share text), each simulation under a cache salt of its own, and reads the
+prompts for every setup) with rounds declared, then (`--transparent-setups`, `--transparent-workloads`) undeclared
+(transparent rounds: the endpoint gathers requests that share text), each simulation under a
+cache salt of its own, and reads the
 fleet's merged /metrics around each. The single replica has the fleet's KV memory in all. Per setup and simulation it reports the share of prompt
 tokens served from cache (prefix hits and the connector's reuse), the prompt tokens computed,
 the round time, how many rounds one replica served whole, and the tokens restored from the
@@ -116,7 +117,8 @@ def run_setup(setup: str, args, out: Path) -> list[dict]:
             print(f"{setup}: ready after {ready:.0f} s", flush=True)
             results = []
             for workload in args.workloads:
-                for declared in (True, False):
+                undeclared = setup in args.transparent_setups and workload in args.transparent_workloads
+                for declared in (True, False)[:1 + undeclared]:
                     result = simulate(port, workload, declared, args, out / f"{setup}-{workload}-{declared}.json")
                     results.append({"setup": setup, **result})
                     print(row(results[-1]), flush=True)
@@ -143,6 +145,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     parser.add_argument("--workloads", nargs="+", default=["generative-agents", "agent-society"])
+    parser.add_argument("--transparent-setups", nargs="*", default=["tokendance", "pow2"], choices=SETUPS,
+                        help="setups that also run a workload undeclared (transparent rounds)")
+    parser.add_argument("--transparent-workloads", nargs="*", default=["generative-agents"],
+                        help="workloads also run undeclared in those setups")
     parser.add_argument("--dtype", default="auto", help="the replicas' dtype (auto: bfloat16 where native)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="each replica's KV pool")
     parser.add_argument("--store-gib", type=float, default=0.5, help="each replica's session store")

@@ -26,6 +26,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -163,7 +164,8 @@ class EngineReplica:
             await asyncio.wait({task}, timeout=30)
 
     def pid(self, route: Route | None = None) -> dict:
-        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive, "engine": "tokendance"}
+        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive, "engine": "tokendance",
+                "node": ray.get_runtime_context().get_node_id()}
 
     def placements(self, route: Route | None = None) -> dict:
         return {"replica": self.name, "keys": self.placed.keys()}
@@ -445,8 +447,6 @@ def _wait_until_routable(args, server_config, timeout_s: float = 300) -> None:
 def run_replicas(args, llm_args: dict, server_config) -> int:
     """Start (or join, with --ray-address) a Ray cluster, deploy the ingress and K replicas, and
     serve until interrupted."""
-    import ray
-
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.replicas)
     if args.ray_address:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 from ray import serve
 
 from tokendance.server.replicas import REPLICA_HEADER, ReplicaGone
@@ -170,7 +171,7 @@ class VllmReplica:
 
     def pid(self, route: Route | None = None) -> dict:
         return {"replica": self.name, "pid": os.getpid(), "healthy": self.process.poll() is None,
-                "engine": "vllm", "server_pid": self.server_pid}
+                "engine": "vllm", "server_pid": self.server_pid, "node": ray.get_runtime_context().get_node_id()}
 
     def placements(self, route: Route | None = None) -> dict:
         """The round and agent keys this replica was sent, least recent first."""
@@ -180,7 +181,8 @@ class VllmReplica:
 def vllm_launch(args, threads: int, server_config) -> VllmLaunch:
     """The replicas' `vllm serve` from `tokendance serve --engine vllm`'s arguments: the model
     folder (default: the default model's, made once), the dtype it resolves to here, the KV pool,
-    and the connector's settings (transparent rounds where the gather window is on)."""
+    and the connector's settings (transparent rounds where the gather window is on, the round
+    timeout)."""
     from tokendance.model.platform import dtype_name
     from tokendance.vllm_plugin.model_folder import default_model_folder
 
@@ -188,8 +190,10 @@ def vllm_launch(args, threads: int, server_config) -> VllmLaunch:
     if not Path(model, "config.json").exists():
         raise ValueError(f"--engine vllm needs a Hugging Face model folder (config.json), not {args.model!r}")
     kv = args.kv_cache_bytes
+    # a declared round waits --round-timeout-ms for its members (each replica's own default, 0.25 s,
+    # is for requests that reach vLLM directly: through the endpoint and Ray a burst of 32 spreads further)
     connector = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "anchors": args.anchors,
-                 "store_gib": args.store_gib}
+                 "store_gib": args.store_gib, "round_timeout_s": server_config.round_timeout_s}
     if server_config.gather_window_s > 0:
         connector.update(transparent_rounds=True, gather_window_s=server_config.gather_window_s)
     return VllmLaunch(python=args.vllm_python, model=model, served_model_name=server_config.model_name,
