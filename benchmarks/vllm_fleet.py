@@ -166,6 +166,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for setup in args.setups:
             results += run_setup(setup, args, Path(scratch))
+            if args.out:  # after each setup: a long run stopped midway keeps what it measured
+                Path(args.out).write_text(json.dumps(results, indent=1))
     print("\ncomputed tokens against Ray Serve's default router (pow2), and cached share against one replica:")
     for r in results:
         base = next((b for b in results if b["setup"] == "pow2" and b["workload"] == r["workload"]
@@ -176,8 +178,6 @@ def main() -> int:
         gap = f"{100 * (r['cached_share'] - single['cached_share']):+.1f} points" if single else "-"
         print(f"  {r['setup']:<11}{r['workload']:<18}{'declared' if r['declared'] else 'transparent':<12}"
               f"{fewer:>14}{gap:>16}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
 

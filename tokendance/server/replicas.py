@@ -82,17 +82,16 @@ class KVAffinityRouter(RequestRouter):
         return [rank for rank in (ranked[:1], ranked[1:]) if rank]
 
 
-def router_config(name: str) -> RequestRouterConfig | None:
+def router_config(name: str) -> RequestRouterConfig:
     """The request router of a fleet's replicas: `tokendance` (KVAffinityRouter), `prefix` (Ray
     Serve's PrefixCacheAffinityRouter) or `pow2` (Ray Serve's default, power of two choices)."""
     if name == "tokendance":
         return RequestRouterConfig(request_router_class=KVAffinityRouter)
-    if name == "prefix":  # Ray's public path imports ray.serve.llm, which needs pyarrow
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-            PrefixCacheAffinityRouter)
-        return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
-    if name == "pow2":
-        return None
+    if name in ("prefix", "pow2"):
+        from tokendance.server import ray_routers
+
+        return RequestRouterConfig(request_router_class=ray_routers.PrefixRouter if name == "prefix"
+                                   else ray_routers.Pow2Router)
     raise ValueError(f"unknown router {name!r}; known: {ROUTERS}")
 
 
@@ -248,7 +247,8 @@ class Ingress:
                        replica: int | None = None) -> Response:
         if replica is not None:
             route = Route("replica", replica=replica)
-        args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body, view)
+        args = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body,
+                view or PromptView(None))
         for attempt in (1, 2):  # a replica that died before answering: once more, elsewhere
             stream = self.engine.options(stream=True).http.remote(*args, route=route)
             try:
@@ -318,7 +318,7 @@ class Ingress:
     async def _replies(self, method: str, path: str) -> list[tuple[int, dict, bytes]]:
         """(status, headers, body) from every replica, once each."""
         async def one(index: int):
-            stream = self.engine.options(stream=True).http.remote(method, path, b"", [], b"",
+            stream = self.engine.options(stream=True).http.remote(method, path, b"", [], b"", PromptView(None),
                                                                  route=Route("replica", replica=index))
             start, body = None, b""
             async for message in stream:
@@ -452,13 +452,13 @@ def run_replicas(args, llm_args: dict, server_config) -> int:
         ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     else:  # a Ray instance of its own: never whatever cluster RAY_ADDRESS or Ray's address file names
         os.environ.pop("RAY_ADDRESS", None)
+        # one logical CPU beyond the replicas': a router's helper actor (the prefix tree of Ray's
+        # PrefixCacheAffinityRouter) needs one to be placed, and without it every request waits
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 num_cpus=max(os.cpu_count() or 1, args.replicas * threads))
+                 num_cpus=max(os.cpu_count() or 1, args.replicas * threads) + 1)
     serve.start(http_options={"host": args.host, "port": args.port})
-    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": threads}}
-    routing = router_config(args.router)
-    if routing is not None:
-        options["request_router_config"] = routing
+    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": threads},
+               "request_router_config": router_config(args.router)}
     if args.engine == "vllm":
         from tokendance.server.vllm_replica import VllmReplica, vllm_launch
 
