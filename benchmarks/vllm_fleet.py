@@ -13,7 +13,8 @@ session stores:
 
     python benchmarks/vllm_fleet.py --agents 32 --rounds 3
 
-Setups: `tokendance` (the round-aware router), `prefix` (Ray Serve's PrefixCacheAffinityRouter),
+Setups: `tokendance` (the round-aware router), `split` (the same, each round split in one group
+per replica: `--max-round-agents` N / replicas), `prefix` (Ray Serve's PrefixCacheAffinityRouter),
 `pow2` (Ray Serve's default), `single` (one replica, the round-aware router).
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-SETUPS = ("tokendance", "prefix", "pow2", "single")
+SETUPS = ("tokendance", "split", "prefix", "pow2", "single")
 COUNTERS = ("vllm:tokendance_restored_tokens_total", "vllm:tokendance_reused_tokens_total")
 
 
@@ -67,11 +68,13 @@ def start(setup: str, port: int, args, log) -> subprocess.Popen:
     kv = args.kv_gib * (args.replicas if setup == "single" else 1)
     command = [sys.executable, "-m", "tokendance.cli", "serve", "--engine", "vllm", "--port", str(port),
                "--replicas", str(replicas), "--num-threads", str(threads),
-               "--router", "tokendance" if setup == "single" else setup,
+               "--router", setup if setup in ("prefix", "pow2") else "tokendance",
                "--model", str(default_model_folder(ROOT / ".venv-vllm" / "smollm2-hf")), "--served-model-name", "smollm2",
                "--vllm-python", str(args.vllm_python), "--dtype", args.dtype, "--kv-cache-bytes", str(int(kv * 2**30)),
                "--store-gib", str(args.store_gib), "--max-model-len", "8192", "--vllm-arg=--enforce-eager",
                "--gather-window-ms", str(args.gather_ms)]
+    if setup == "split":  # each round in one group per replica: the whole fleet works on it
+        command += ["--max-round-agents", str(-(-args.agents // args.replicas))]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -104,6 +107,7 @@ def simulate(port: int, workload: str, declared: bool, args, out: Path) -> dict:
             "computed_tokens": prompt - cached, "cached_share": cached / prompt,
             "round_seconds": [r["round_seconds"] for r in rounds],
             "whole_rounds": sum(len(r["replicas"]) == 1 for r in rounds), "rounds": len(rounds),
+            "replicas_per_round": [len(r["replicas"]) for r in rounds],
             "restored_tokens": after[COUNTERS[0]] - before[COUNTERS[0]],
             "reused_tokens": after[COUNTERS[1]] - before[COUNTERS[1]]}
 
