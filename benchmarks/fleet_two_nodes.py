@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ray.cluster_utils import Cluster
 
-from vllm_fleet import ROOT, VLLM_PYTHON, free_port, get
+from vllm_fleet import ROOT, VLLM_PYTHON, free_port, get, stop
 
 
 def main() -> int:
@@ -68,11 +68,7 @@ def main() -> int:
             print(f"round {r['round']}: {r['round_seconds']:.1f} s, cached {r['cached_tokens']} of {r['prompt_tokens']} "
                   f"prompt tokens, replicas {r['replicas']} on nodes {sorted({nodes[x][:12] for x in r['replicas']})}")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
         cluster.shutdown()
     return 0
 

@@ -128,11 +128,16 @@ def run_setup(setup: str, args, out: Path) -> list[dict]:
                     print(row(results[-1]), flush=True)
             return results
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server)
+
+
+def stop(server: subprocess.Popen) -> None:
+    """The fleet's server, and with it its Ray instance and replicas (SIGTERM; SIGKILL after 2 min)."""
+    server.terminate()
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def row(r: dict) -> str:
