@@ -2,12 +2,17 @@
 `shared` rule): time to first token through vLLM + plugin with `transparent_rounds` off, then on,
 one server after the other, the same requests to both:
 
-- lone: unrelated chat requests one at a time. Each is alone at the endpoint: never held.
+- lone: unrelated chat requests one at a time, no round formed before them. Each is alone at the
+  endpoint: never held.
 - busy: the same kind of requests one at a time while another chat decodes (a long streamed reply).
   Each is held, shares nothing, and goes on alone a gather window after it came.
 - burst: N agents' chats sharing a feed the server never wrote, sent together, nothing else in
-  flight. The first to arrive goes on at once; the others wait for the gathering to close and form a
-  round (their TTFT also holds what the round saves).
+  flight, 1 s apart. The first burst's first request goes on at once (no round formed before it),
+  later bursts' first requests are held with the rest (`Door`: within 5 s of a burst that formed a
+  round); the others wait for the gathering to close and form a round (their TTFT also holds what
+  the round saves).
+- after: lone requests one at a time right after the last burst (within 5 s): each held one gather
+  window, as the first request of a step would be, and sent alone.
 
     python benchmarks/transparent_hold.py --samples 40 --agents 16 --repeat 2
 
@@ -132,6 +137,7 @@ def measure(name: str, args) -> dict:
                 return one_at_a_time(args.samples)
         run("busy", busy)
         run("burst", bursts)
+        run("after", lambda: one_at_a_time(2 * args.samples))
         return result
 
 

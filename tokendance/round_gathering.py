@@ -19,6 +19,9 @@ Three ways into a round:
   nothing waits a window, not the round timeout, however busy the door is;
 - whole: a /v1/rounds request is a ready round of its own.
 
+A front door that holds requests outside the engine (the plugin's endpoint, the fleet's) holds a
+chat request only while another is at the door, or as the first of the next burst (`Door`).
+
 The gatherer is plain data: its owner (serve's engine thread, the plugin's event loop) calls
 `pop_ready` and runs what it returns.
 Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`.
@@ -26,6 +29,7 @@ Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +42,39 @@ class RoundConflictError(InvalidRequestError):
     """A request names a declared round with another size than the round's first request."""
 
 MIN_SHARED_CHARS = 32  # shorter shared lines ("OK", separators) are not worth a round (~ a KV block)
+NEXT_BURST_S = 5.0  # after a burst that formed a round, a lone chat request is held this long
+
+
+class Door:
+    """The chat requests at a front door that holds them (held, or sent on and not answered yet),
+    and whether one more should be held: while another is at the door, since it may share text
+    with it; or, alone, as the first of the next round's burst: a multi-agent app sends a round's
+    requests together and the next round as soon as the last one's replies are in, so a request
+    that comes within `next_burst_s` of the door emptying after a burst that formed a round is
+    held too (at most one gather window when nothing joins it). Otherwise a lone request goes on
+    at once."""
+
+    def __init__(self, next_burst_s: float = NEXT_BURST_S, clock=time.monotonic):
+        self.next_burst_s = next_burst_s
+        self.clock = clock
+        self.at_door = 0
+        self._formed = False  # a round formed since the door was last empty
+        self._emptied = float("-inf")  # when the door emptied after a burst that formed a round
+
+    def enter(self) -> None:
+        self.at_door += 1
+
+    def leave(self) -> None:
+        self.at_door -= 1
+        if self.at_door == 0 and self._formed:
+            self._formed, self._emptied = False, self.clock()
+
+    def formed_round(self) -> None:
+        self._formed = True
+
+    def holds(self) -> bool:
+        """Whether the request that entered last should be held (call after `enter`)."""
+        return self.at_door > 1 or self.clock() - self._emptied < self.next_burst_s
 
 
 @dataclass

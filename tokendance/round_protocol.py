@@ -210,12 +210,16 @@ def round_answer(round_id: str, model: str, outputs: list[dict], stats: Mapping[
             "stats": {name: stats.get(name) for name in STATS_FIELDS}}
 
 
-def merge_round_answers(parts: list[dict], replicas: list[str]) -> dict:
+def merge_round_answers(parts: list[dict], replicas: list[str], order: list[str] | None = None) -> dict:
     """One /v1/rounds answer from the answers of its groups (a round split over replicas), in the
-    request's agent order, with `split`: which agents each replica served. Stats: counts summed,
-    times the longest group's, ratios and per-agent sizes the agents' mean, a field some group
-    does not know (or a mode the groups disagree on) null."""
+    request's agent order (`order`, its agent ids; None: the groups' order), with `split`: which
+    agents each replica served. Stats: counts summed, times the longest group's, ratios and
+    per-agent sizes the agents' mean, a field some group does not know (or a mode the groups
+    disagree on) null."""
     outputs = [o for part in parts for o in part["outputs"]]
+    if order is not None:
+        position = {agent: i for i, agent in enumerate(order)}
+        outputs.sort(key=lambda o: position.get(o["agent_id"], len(order)))
     sizes = [len(part["outputs"]) for part in parts]
     stats = {"num_agents": len(outputs)}
     for name in set(STATS_FIELDS) - {"num_agents"}:

@@ -8,9 +8,11 @@ import asyncio
 import json
 from dataclasses import dataclass
 
+from tokendance.round_gathering import Door
 from tokendance.round_protocol import merge_round_answers, round_answer, turn_usage
 from tokendance.server.routing import (
     PREFIX_SLACK,
+    GroupFill,
     KeyLog,
     Placement,
     PromptView,
@@ -18,6 +20,7 @@ from tokendance.server.routing import (
     TransparentHold,
     agent_key,
     cache_namespace,
+    fill_groups,
     group_routes,
     group_sizes,
     rendezvous,
@@ -113,14 +116,43 @@ def test_a_round_larger_than_a_replica_takes_is_split_into_even_groups_placed_ap
             assert sum(sizes) == n and max(sizes) <= most and max(sizes) - min(sizes) <= 1
             assert len(sizes) == -(-n // most)  # the fewest groups
     whole = route_for("POST", "/v1/rounds", body(agents=[{"agent_id": f"a{i}"} for i in range(6)]), "")
-    routes = group_routes(whole, group_sizes(6, 2), whole.agents)
+    routes = group_routes(whole, [whole.agents[0:2], whole.agents[2:4], whole.agents[4:6]])
     assert [r.agents for r in routes] == [whole.agents[0:2], whole.agents[2:4], whole.agents[4:6]]
     placement, placed = Placement(), []
     for route in routes:  # placed one after the other, as the router sees them
         placed.append(placement.choose(route, REPLICAS, idle)[0])
     assert sorted(placed) == REPLICAS  # each group on a replica of its own
-    two = [placement.choose(r, REPLICAS[:2], idle)[0] for r in group_routes(Route("round", "other"), [2, 2, 2])]
+    two = [placement.choose(r, REPLICAS[:2], idle)[0] for r in group_routes(Route("round", "other"), [()] * 3)]
     assert sorted(two.count(r) for r in REPLICAS[:2]) == [1, 2]  # more groups than replicas: as even as they go
+
+
+def test_a_split_rounds_members_keep_their_replicas_from_round_to_round():
+    placement, agents = Placement(), [f"agent:{i}" for i in range(8)]
+
+    def run_round(index: int, order: list[int]) -> dict[str, str]:
+        """A declared round of the 8 agents in groups of at most 4, members arriving in `order` as
+        the endpoint sees them (`GroupFill`), each group placed when its first member is routed."""
+        whole, fill, where = Route("round", f"sim|round|{index}"), GroupFill(group_sizes(8, 4)), {}
+        routes = group_routes(whole, [()] * 2)
+        for i in order:
+            placed = [placement.owner.get(r.key) for r in routes]
+            group = fill.join(placement.owner.get(agents[i]), placed)
+            route = Route("round", routes[group].key, (agents[i],), siblings=routes[group].siblings)
+            where[agents[i]] = placement.choose(route, REPLICAS[:2], idle)[0]
+        assert fill.full and fill.count == [4, 4]
+        return where
+
+    first = run_round(1, list(range(8)))
+    assert sorted(first.values()) == ["r0"] * 4 + ["r1"] * 4  # the groups placed apart
+    for index, order in enumerate(([7, 6, 5, 4, 3, 2, 1, 0], [1, 3, 5, 7, 0, 2, 4, 6], [0, 7, 1, 6, 2, 5, 3, 4]), 2):
+        assert run_round(index, order) == first  # whatever order they come in, each agent stays put
+    # a group whose agents' sessions are all on r0 still goes apart from a sibling placed there
+    crowded = group_routes(Route("round", "sim|round|crowded"), [agents[:4], agents[4:]])
+    assert {placement.choose(r, REPLICAS[:2], idle)[0] for r in crowded} == {"r0", "r1"}
+    # /v1/rounds: all members known at once, grouped by where their sessions are, in request order
+    groups = fill_groups(Route("round", "sim|round|all"), [first[a] for a in agents], [4, 4], placement)
+    assert sorted(map(tuple, groups)) == sorted(tuple(i for i in range(8) if first[agents[i]] == r) for r in ("r0", "r1"))
+    assert fill_groups(Route("round", "new"), [None] * 5, [3, 2], Placement()) == [[0, 1, 3], [2, 4]]
 
 
 def test_a_restarted_router_rebuilds_its_placement_from_the_replicas_logs():
@@ -175,8 +207,10 @@ def test_chat_requests_sharing_text_leave_the_hold_together_and_the_rest_as_they
         return {"model": "m", "messages": [{"role": "system", "content": f"You are {name}."},
                                            {"role": "user", "content": said}]}
 
+    door = Door()
+
     async def gather():
-        hold = TransparentHold(Fleet())
+        hold = TransparentHold(Fleet(), door)
         names = ["ann", "bob", "cid", "dan"]
         requests = [chat(n, shared=n != "dan") for n in names]
         fallbacks = [Route("prefix", f"sim|{n}") for n in names]
@@ -187,6 +221,13 @@ def test_chat_requests_sharing_text_leave_the_hold_together_and_the_rest_as_they
     assert [r.kind for r in routes[:3]] == ["round"] * 3
     assert routes[0] == routes[1] != routes[2]  # three members, at most two per replica: groups 2 + 1
     assert routes[2].key in routes[0].siblings and len(hold.waiting) == 0 and len(hold.gatherer) == 0
+    fresh = Door()
+    fresh.enter()
+    assert not fresh.holds()  # alone, and no burst before it: goes on at once
+    fresh.enter()
+    assert fresh.holds()  # another chat at the door
+    door.enter(), door.leave(), door.enter()
+    assert door.holds()  # alone, but the door just emptied after a burst that formed a round
 
 
 def test_a_split_rounds_answers_merge_in_the_requests_order_with_the_split():
@@ -199,6 +240,9 @@ def test_a_split_rounds_answers_merge_in_the_requests_order_with_the_split():
 
     merged = merge_round_answers([part(["a", "b"], 1.5, 7), part(["c"], 2.5, 3)], ["r0", "r1"])
     assert [o["agent_id"] for o in merged["outputs"]] == ["a", "b", "c"]
+    mixed = merge_round_answers([part(["c", "a"], 1.5, 7), part(["b"], 2.5, 3)], ["r0", "r1"], ["a", "b", "c"])
+    assert [o["agent_id"] for o in mixed["outputs"]] == ["a", "b", "c"]  # groups made by replica, not by order
+    assert mixed["split"] == [{"replica": "r0", "agents": ["c", "a"]}, {"replica": "r1", "agents": ["b"]}]
     assert merged["split"] == [{"replica": "r0", "agents": ["a", "b"]}, {"replica": "r1", "agents": ["c"]}]
     assert merged["usage"] == turn_usage(30, 6, 12) and merged["round"]["num_agents"] == 3
     stats = merged["stats"]

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tokendance.round_gathering import NEXT_BURST_S, Door
 from tokendance.round_protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
 from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings, tag_body
 from tokendance.vllm_plugin.gathering import (SERVER_AGENT_PREFIXES, Gathering, RecentReplies, conversation_id,
@@ -108,13 +109,20 @@ def test_requests_quoting_replies_at_different_positions_form_one_round_per_name
 
 def test_under_the_shared_rule_text_no_reply_wrote_forms_a_round_and_a_lone_request_is_never_held():
     """The default rule: a feed the server never wrote (SAID, unanswered here) shared at different
-    positions makes a round of the requests that come together; the same requests one by one (each
-    alone at the endpoint) pass at once; no reply is read."""
-    gathering = Gathering(window_s=0.02, round_timeout_s=0.5)
+    positions makes a round of the requests that come together; the next burst soon after makes
+    one too, its first request (alone at the endpoint) held with the rest; long after, the same
+    requests one by one (each alone) pass at once; no reply is read."""
+    gathering, now = Gathering(window_s=0.02, round_timeout_s=0.5), [0.0]
+    gathering.door = Door(clock=lambda: now[0])
     bodies = [turn("Abigail", [0, 1, 2]), turn("Viktor", [1, 0, 2]), turn("Hana", [2, 0, 1])]
     tags = [s["kv_transfer_params"]["tokendance"] for s in admit_all(gathering, bodies)]
     assert len({t["round_id"] for t in tags}) == 1 and [t["round_size"] for t in tags] == [3, 3, 3]
     assert gathering.counts == {"member": 3, "rounds": 1}
+    now[0] += NEXT_BURST_S - 0.1  # the door emptied a moment ago: the first of a burst is held
+    tags = [s["kv_transfer_params"]["tokendance"] for s in admit_all(gathering, bodies, busy=False)]
+    assert len({t["round_id"] for t in tags}) == 1 and [t["round_size"] for t in tags] == [3, 3, 3]
+    assert gathering.counts == {"member": 6, "rounds": 2}
+    now[0] += NEXT_BURST_S + 0.1
     alone = [s["kv_transfer_params"]["tokendance"] for s in admit_all(gathering, bodies, busy=False)]
     assert [t["round_size"] for t in alone] == [1, 1, 1] and gathering.counts["passed"] == 3
     chatting = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France, in one word?"}]}

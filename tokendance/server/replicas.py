@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -35,12 +34,14 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tokendance.round_gathering import Door
 from tokendance.round_protocol import RoundFieldError, check_round_request, merge_round_answers
 from tokendance.server.gate import OPEN_PATHS, read_body, tenant_of
 from tokendance.server.metrics import split_sample, with_label
 from tokendance.server.protocol import ApiError
-from tokendance.server.routing import (MAX_OWNED_KEYS, KeyLog, PromptView, Route, TransparentHold, cache_namespace,
-                                       group_routes, group_sizes, route_for, shared_placement)
+from tokendance.server.routing import (MAX_OWNED_KEYS, GroupFill, KeyLog, PromptView, Route, TransparentHold,
+                                       cache_namespace, fill_groups, group_routes, group_sizes, route_for,
+                                       shared_placement)
 
 log = logging.getLogger("tokendance.server")
 REPLICA_HEADER = "x-tokendance-replica"  # which replica answered (every response carries it)
@@ -193,8 +194,8 @@ class Ingress:
         self.config = server_config
         self.fleet = fleet
         self.num_replicas = fleet.num_replicas
-        self.hold = TransparentHold(fleet) if fleet.gather_window_s > 0 else None
-        self.chats = 0  # chat requests at the endpoint (held, or sent and not answered yet)
+        self.door = Door()  # chat requests at the endpoint (held, or sent and not answered yet)
+        self.hold = TransparentHold(fleet, self.door) if fleet.gather_window_s > 0 else None
         self.declared: OrderedDict[str, int] = OrderedDict()  # split declared rounds -> members seen
         self.restored: int | None = None  # keys read back from the replicas at start (None: not yet)
 
@@ -226,22 +227,19 @@ class Ingress:
             return await self._split_round(request, data, route)
         if path != "/v1/chat/completions" or data is None:
             return await self._forward(request, body, route, PromptView(data))
-        self.chats += 1
+        self.door.enter()
         try:
             headers = {}
             if route.kind == "round":
                 body, route, headers = self._declared_group(data, body, route)
-            elif route.kind == "prefix" and self.hold is not None and self.chats > 1:
+            elif route.kind == "prefix" and self.hold is not None and self.door.holds():
                 salt = data.get("cache_salt")
                 route = await self.hold.route(data, route, cache_namespace(tenant or "", salt if isinstance(salt, str) else None))
             response = await self._forward(request, body, route, PromptView(data), headers)
         except BaseException:
-            self.chats -= 1
+            self.door.leave()
             raise
-        return _when_sent(response, self._chat_done)
-
-    def _chat_done(self) -> None:
-        self.chats -= 1
+        return _when_sent(response, self.door.leave)
 
     async def _forward(self, request: Request, body: bytes, route: Route, view=None, headers: dict | None = None,
                        replica: int | None = None) -> Response:
@@ -264,20 +262,23 @@ class Ingress:
                                type="server_error", code="replica_unavailable"), retry_after=True)
 
     def _declared_group(self, data: dict, body: bytes, route: Route) -> tuple[bytes, Route, dict]:
-        """A chat member of a declared round larger than a replica takes: the group its arrival
-        falls in (groups fill in arrival order), renamed `<round_id>~<group>` with the group's size."""
+        """A chat member of a declared round larger than a replica takes: the group it joins
+        (`GroupFill`: the one on its session's replica where it can), renamed `<round_id>~<group>`
+        with the group's size."""
         size = data.get("round_size")
         sizes = group_sizes(size, self.fleet.max_round_agents) if isinstance(size, int) else [0]
         if len(sizes) == 1:
             return body, route, {}
-        seen = self.declared.pop(route.key, 0)
-        if seen + 1 < size:
-            self.declared[route.key] = seen + 1
+        fill = self.declared.pop(route.key, None) or GroupFill(sizes)
+        placement = shared_placement()
+        holder = placement.owner.get(route.agents[0]) if route.agents else None
+        group = fill.join(holder, [placement.owner.get(f"{route.key}~{g}") for g in range(len(sizes))])
+        if not fill.full:
+            self.declared[route.key] = fill
             while len(self.declared) > MAX_OWNED_KEYS:
                 self.declared.popitem(last=False)
-        group = next(g for g, end in enumerate(itertools.accumulate(sizes)) if seen % size < end)
         data = {**data, "round_id": f"{data['round_id']}~{group}", "round_size": sizes[group]}
-        placed = dataclasses.replace(group_routes(route, sizes)[group], agents=route.agents)
+        placed = dataclasses.replace(group_routes(route, [()] * len(sizes))[group], agents=route.agents)
         return json.dumps(data).encode(), placed, {ROUND_GROUP_HEADER: f"{group}/{len(sizes)}"}
 
     async def _split_round(self, request: Request, data: dict, route: Route) -> Response:
@@ -288,12 +289,13 @@ class Ingress:
             check_round_request(data)
         except RoundFieldError:  # the replica answers the mistake
             return await self._forward(request, json.dumps(data).encode(), route, PromptView(data))
-        sizes, agents = group_sizes(len(route.agents), self.fleet.max_round_agents), data["agents"]
-        bounds, routes = [0, *itertools.accumulate(sizes)], group_routes(route, sizes, route.agents)
+        sizes, agents, placement = group_sizes(len(route.agents), self.fleet.max_round_agents), data["agents"], shared_placement()
+        groups = fill_groups(route, [placement.owner.get(a) for a in route.agents], sizes, placement)
+        routes = group_routes(route, [[route.agents[i] for i in g] for g in groups])
 
         async def group(g: int):
             _set_request_context(_internal_request_id=uuid.uuid4().hex)  # a call of its own for Ray's router
-            members = agents[bounds[g]:bounds[g + 1]]
+            members = [agents[i] for i in groups[g]]
             response = await self._forward(request, json.dumps({**data, "agents": members}).encode(), routes[g],
                                            PromptView(data))
             return response, b"".join([chunk async for chunk in response.body_iterator])
@@ -304,7 +306,7 @@ class Ingress:
             return Response(failed[1], status_code=failed[0].status_code, media_type="application/json")
         parts = [json.loads(b) for _r, b in answers]
         replicas = [r.headers.get(REPLICA_HEADER, "") for r, _b in answers]
-        return JSONResponse(merge_round_answers(parts, replicas))
+        return JSONResponse(merge_round_answers(parts, replicas, [a["agent_id"] for a in agents]))
 
     async def _restore_placement(self) -> None:
         """Once, at the first request: read back where rounds and agents were placed from the

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokendance.round_gathering import ChatTurn, RoundGatherer, chat_lines
+from tokendance.round_gathering import ChatTurn, Door, RoundGatherer, chat_lines
 
 PREFIX_CHARS = 512  # the opening of a prompt that prefix affinity hashes
 PREFIX_SLACK = 4  # requests a preferred replica may run beyond the least loaded before it is passed over
@@ -126,13 +126,55 @@ def transparent_route(namespace: str, conversations: Sequence[str]) -> Route:
     return Route("round", f"{namespace}|transparent|{digest}", names)
 
 
-def group_routes(route: Route, sizes: list[int], agents: Sequence[str] = ()) -> list[Route]:
-    """The routes of a round split in groups of `sizes` (its `agents` in order, if known): each
-    group a round of its own, placed apart from the others where the replicas allow."""
-    keys = [f"{route.key}~{g}" for g in range(len(sizes))]
-    bounds = [0, *itertools.accumulate(sizes)]
-    return [Route("round", key, tuple(agents[bounds[g]:bounds[g + 1]]),
-                  siblings=tuple(k for k in keys if k != key)) for g, key in enumerate(keys)]
+def group_routes(route: Route, groups: Sequence[Sequence[str]]) -> list[Route]:
+    """The routes of a round split in `groups` (each its agents' names, or empty where they are not
+    known yet): each group a round of its own, placed apart from the others where the replicas allow."""
+    keys = [f"{route.key}~{g}" for g in range(len(groups))]
+    return [Route("round", key, tuple(groups[g]), siblings=tuple(k for k in keys if k != key))
+            for g, key in enumerate(keys)]
+
+
+class GroupFill:
+    """How the members of a split round fill its groups (of `sizes`), one at a time: a member joins
+    the group on the replica that holds its session while it has room (the first member from a
+    replica claims an unplaced group for it), else the group with the most room left. Every group
+    ends with exactly its size, and a round's members keep their replicas from round to round."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.count = [0] * len(sizes)
+        self.claimed: list[str | None] = [None] * len(sizes)  # the replica a group's first member came from
+
+    def join(self, holder: str | None, placed: Sequence[str | None]) -> int:
+        """The group of a member whose session is on `holder` (None: nowhere yet); `placed`: the
+        replica each group was placed on (None: not yet)."""
+        where = [p or c for p, c in zip(placed, self.claimed)]
+        room = [g for g, size in enumerate(self.sizes) if self.count[g] < size]
+        group = next((g for g in room if holder is not None and where[g] == holder), None)
+        if group is None and holder is not None and holder not in where:
+            group = next((g for g in room if where[g] is None), None)
+            if group is not None:
+                self.claimed[group] = holder
+        if group is None:
+            group = max(room, key=lambda g: (self.sizes[g] - self.count[g], -g))
+        self.count[group] += 1
+        return group
+
+    @property
+    def full(self) -> bool:
+        return self.count == self.sizes
+
+
+def fill_groups(route: Route, holders: Sequence[str | None], sizes: list[int],
+                placement: Placement) -> list[list[int]]:
+    """The members (indices into `holders`, each member's session replica) of each group of a split
+    round, in their order: members whose replica is known join first (`GroupFill`)."""
+    fill = GroupFill(sizes)
+    placed = [placement.owner.get(f"{route.key}~{g}") for g in range(len(sizes))]
+    groups: list[list[int]] = [[] for _ in sizes]
+    for i in sorted(range(len(holders)), key=lambda i: holders[i] is None):
+        groups[fill.join(holders[i], placed)].append(i)
+    return [sorted(group) for group in groups]
 
 
 def group_sizes(num_agents: int, most: int | None) -> list[int]:
@@ -203,14 +245,16 @@ class Placement:
         return [chosen] + [r for r in replicas if r != chosen]
 
     def _owned(self, route: Route, replicas: list[str], load: Callable[[str], int]) -> str:
-        alive = set(replicas)
         owner = self.owner.get(route.key)
-        if owner in alive:
+        if owner in replicas:
             return owner
+        groups = [self.owner.get(key) for key in route.siblings]
+        fewest = min(groups.count(r) for r in replicas)
+        replicas = [r for r in replicas if groups.count(r) == fewest]  # apart from its round's other groups
         votes: dict[str, int] = {}
         for agent in route.agents:
             holder = self.owner.get(agent)
-            if holder in alive:
+            if holder in replicas:
                 votes[holder] = votes.get(holder, 0) + 1
         if votes:  # where most of its agents' sessions are
             return max(rendezvous(route.key, replicas), key=lambda r: votes.get(r, 0))
@@ -218,10 +262,8 @@ class Placement:
         for holder in self.owner.values():
             if holder in owned:
                 owned[holder] += 1
-        groups = [self.owner.get(key) for key in route.siblings]
-        # apart from its round's other groups, then the least loaded, counting what it already
-        # owns; ties go by the key's hash
-        return min(rendezvous(route.key, replicas), key=lambda r: (groups.count(r), load(r), owned[r]))
+        # the least loaded, counting what it already owns; ties go by the key's hash
+        return min(rendezvous(route.key, replicas), key=lambda r: (load(r), owned[r]))
 
     def restore(self, logs: dict[str, list[tuple[str, float]]]) -> int:
         """Rebuild the placement from the replicas' `KeyLog`s ({replica: [(key, when)]}): a key
@@ -281,9 +323,10 @@ class TransparentHold:
     """Chat requests that name no round, held at the endpoint for a gather window by the replicas'
     own rule (`RoundGatherer`): those that share text leave together with one round route (split
     into groups of at most `max_round_agents`), the others with the route they came with. The
-    caller holds only a request that came while another chat request is at the endpoint."""
+    caller holds only a request its `Door` holds (told by `door` when a round formed)."""
 
-    def __init__(self, fleet):
+    def __init__(self, fleet, door: Door | None = None):
+        self.door = door
         self.gatherer = RoundGatherer(fleet.gather_window_s, fleet.round_timeout_s, release_unshared=True)
         self.most = fleet.max_round_agents
         self.waiting: dict[str, tuple[asyncio.Future, Route]] = {}
@@ -319,16 +362,19 @@ class TransparentHold:
         for turn in work.ordinary:
             self._answer(turn.key, None)
         for members in work.rounds:
+            if self.door is not None:
+                self.door.formed_round()
             names = [conversation_key(t.namespace, t.messages) for t in members]
-            sizes = group_sizes(len(members), self.most)
-            routes = group_routes(transparent_route(members[0].namespace, names), sizes, names)
-            if len(routes) == 1:
-                routes = [transparent_route(members[0].namespace, names)]
-            start = 0
-            for route, size in zip(routes, sizes):
-                for turn in members[start:start + size]:
-                    self._answer(turn.key, route)
-                start += size
+            whole, sizes = transparent_route(members[0].namespace, names), group_sizes(len(members), self.most)
+            if len(sizes) == 1:
+                for turn in members:
+                    self._answer(turn.key, whole)
+                continue
+            placement = shared_placement()
+            groups = fill_groups(whole, [placement.owner.get(n) for n in names], sizes, placement)
+            for route, group in zip(group_routes(whole, [[names[i] for i in g] for g in groups]), groups):
+                for i in group:
+                    self._answer(members[i].key, route)
         self._arm()
 
     def _answer(self, key: str, route: Route | None) -> None:

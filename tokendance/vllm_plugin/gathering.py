@@ -41,7 +41,7 @@ from collections.abc import Iterable
 
 from tokendance.registry import DEFAULT_TRANSPARENT_RULE, TRANSPARENT_RULES, load
 from tokendance.round_protocol import agent_salt
-from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, RoundGatherer, chat_lines
+from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, Door, RoundGatherer, chat_lines
 
 logger = logging.getLogger("tokendance.vllm")
 WORD_START = re.compile(r"(?<!\w)\w")
@@ -159,14 +159,14 @@ class Gathering:
     """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
     candidate until its round forms and returns the body to send on (a member's with its tag for
     the connector, in `kv_transfer_params.tokendance`); `rule` says which requests are candidates
-    (and, for `quotes`, learns what the server answered). `num_at_door`: the chat requests inside
-    `serving` (held, or sent on and not answered yet). `counts`: requests by outcome (passed,
+    (and, for `quotes`, learns what the server answered). `door`: the chat requests inside
+    `serving` (held, or sent on and not answered yet), and whether one more is held (`Door`). `counts`: requests by outcome (passed,
     member, alone, left while held) and rounds formed."""
 
     def __init__(self, window_s: float, round_timeout_s: float, rule: str = DEFAULT_TRANSPARENT_RULE, metric=None):
         self.gatherer = RoundGatherer(window_s, round_timeout_s, release_unshared=True)
         self.rule = load(TRANSPARENT_RULES[rule])()
-        self.num_at_door = 0
+        self.door = Door()
         self.counts: Counter[str] = Counter()
         self.metric = metric  # a labelled Prometheus counter (outcome), or None
         self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}  # key -> (future, body, cache namespace)
@@ -184,21 +184,25 @@ class Gathering:
     def serving(self):
         """Around one chat request at the endpoint, from before `admit` to its answer's end (or its
         client leaving): while it is inside, another request is not lone."""
-        self.num_at_door += 1
+        self.door.enter()
         try:
             yield
         finally:
-            self.num_at_door -= 1
+            self.door.leave()
+
+    @property
+    def num_at_door(self) -> int:
+        return self.door.at_door
 
     async def admit(self, body: dict) -> dict:
         """The body to send on: this one as it came, or a new one tagged as a round member. Called
-        inside `serving`: a request alone at the endpoint goes on at once."""
+        inside `serving`: a request the door does not hold (`Door.holds`) goes on at once."""
         messages = chat_lines(body.get("messages"))
         if messages is None or not self.may_join(body):
             return body
         salt = body.get("cache_salt")
         namespace = salt if isinstance(salt, str) else ""
-        if self.num_at_door <= 1 or not self.rule.is_candidate(messages):
+        if not self.door.holds() or not self.rule.is_candidate(messages):
             self._count("passed")
             return self._own_turn(body, namespace, messages)
         key = f"gather-{uuid.uuid4().hex}"
@@ -244,6 +248,7 @@ class Gathering:
     def _form(self, members: list[ChatTurn]) -> None:
         round_id, conversations = f"transparent-{uuid.uuid4().hex}", set()
         self._count("rounds")
+        self.door.formed_round()
         for turn in members:
             future, body, namespace = self._waiting.pop(turn.key)
             body = {k: v for k, v in body.items() if k != "agent_id"}
