@@ -7,9 +7,11 @@ server still answers a plain chat within 2 s, and whether what it holds is back 
     python benchmarks/probe.py                                # tokendance serve, started here
     python benchmarks/probe.py --servers vllm+tokendance vllm # vllm serve with and without the plugin
     python benchmarks/probe.py --target http://127.0.0.1:8000 # a server already running
+    python benchmarks/probe.py --servers vllm-fleet           # two vLLM + plugin replicas on Ray Serve
 
 Servers are started one after the other (never two at once) with 1 GiB of KV; vLLM's need
-.venv-vllm (`make vllm`). Bounded: `--soak` requests (1,000 by default, `--leave` of them from
+.venv-vllm (`make vllm`). `vllm-fleet` is `tokendance serve --engine vllm --replicas 2` (one core,
+1 GiB of KV and the store each, the round-aware router, transparent rounds with a 50 ms window). Bounded: `--soak` requests (1,000 by default, `--leave` of them from
 clients that leave), `--timeout` seconds per request (an unanswered request counts as a hang).
 Writes benchmarks/results/probe-<server>.json; exits 1 on any 5xx, hang, slow health check or
 state left behind.
@@ -36,6 +38,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fairness import agent  # noqa: E402
+import vllm_fleet  # noqa: E402
 from vllm_plugin import free_port, start, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -540,10 +543,22 @@ def print_wave(name: str, wave: dict) -> None:
     print(f"  {'FAIL: ' + '; '.join(problems) if problems else 'ok: no 5xx, no hang, healthy, back to idle'}")
 
 
+def start_server(name: str, port: int, args, log):
+    """The server `name` started on `port`, and the seconds until it was ready."""
+    if name != "vllm-fleet":
+        server = start(name, port, args, log)
+        return server, wait_ready(port, server, log)
+    fleet = argparse.Namespace(replicas=2, kv_gib=args.kv_gib, store_gib=args.store_gib, dtype=args.dtype,
+                               vllm_python=str(vllm_fleet.VLLM_PYTHON), gather_ms=50.0, agents=0)
+    server = vllm_fleet.start("tokendance", port, fleet, log, extra=tuple(f"--vllm-arg={a}" for a in args.vllm_args))
+    return server, vllm_fleet.wait_ready(port, fleet.replicas, server, log)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="URL of a running server (default: start --servers one after the other)")
-    parser.add_argument("--servers", nargs="+", default=["tokendance"], choices=["tokendance", "vllm+tokendance", "vllm"])
+    parser.add_argument("--servers", nargs="+", default=["tokendance"],
+                        choices=["tokendance", "vllm+tokendance", "vllm", "vllm-fleet"])
     parser.add_argument("--waves", nargs="+", default=list(WAVES), choices=list(WAVES))
     parser.add_argument("--soak", type=int, default=1000, help="requests of the soak")
     parser.add_argument("--clients", type=int, default=48)
@@ -568,9 +583,9 @@ def main() -> int:
     for name in [] if args.target else args.servers:
         port = free_port()
         with tempfile.TemporaryFile() as log:
-            server = start(name, port, args, log)
+            server, ready = start_server(name, port, args, log)
             try:
-                print(f"\n=== {name}: ready after {wait_ready(port, server, log):.0f} s ({args.dtype}, CPU {cpu.capability})")
+                print(f"\n=== {name}: ready after {ready:.0f} s ({args.dtype}, CPU {cpu.capability})")
                 reports[name] = probe(f"http://127.0.0.1:{port}", args)
             finally:
                 reports.setdefault(name, {"waves": {}})["alive"] = server.poll() is None
@@ -580,11 +595,7 @@ def main() -> int:
                     saved.write_bytes(log.read())
                     reports[name]["log"] = str(saved.relative_to(ROOT))
                     print(f"{name} EXITED with {server.returncode}: its log is in {reports[name]['log']}")
-                server.terminate()
-                try:
-                    server.wait(timeout=60)
-                except Exception:
-                    server.kill()
+                vllm_fleet.stop(server)
     failed = False
     for name, report in reports.items():
         problems = [p for wave in report["waves"].values() for p in failures(wave)]

@@ -60,7 +60,8 @@ def counters(port: int) -> dict[str, float]:
     return found
 
 
-def start(setup: str, port: int, args, log) -> subprocess.Popen:
+def start(setup: str, port: int, args, log, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A fleet of `setup` (SETUPS) serving on `port`; `extra`: more arguments of `tokendance serve`."""
     from tokendance.vllm_plugin.model_folder import default_model_folder
 
     # one replica: every core and the fleet's KV in all
@@ -75,7 +76,7 @@ def start(setup: str, port: int, args, log) -> subprocess.Popen:
                "--gather-window-ms", str(args.gather_ms)]
     if setup == "split":  # each round in one group per replica: the whole fleet works on it
         command += ["--max-round-agents", str(-(-args.agents // args.replicas))]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command + list(extra), stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_ready(port: int, replicas: int, server: subprocess.Popen, log) -> float:

@@ -108,7 +108,8 @@ def test_a_round_runs_on_one_replica_or_split_in_groups_as_its_answer_says(fleet
                                                            "temperature": 0}, timeout=300)
     answer = json.loads(body)
     assert status == 200, answer
-    assert [s["agents"] for s in answer["split"]] == [["v0", "v1", "v2"], ["v3", "v4"]]
+    groups = [s["agents"] for s in answer["split"]]  # new agents: each joins the group with the most room
+    assert sorted(map(len, groups)) == [2, 3] and sorted(sum(groups, [])) == [a["agent_id"] for a in large]
     names = {r["replica"] for r in listed(fleet)["data"]}
     assert {s["replica"] for s in answer["split"]} == names  # the groups ran side by side
     assert [o["agent_id"] for o in answer["outputs"]] == [a["agent_id"] for a in large]
@@ -128,7 +129,7 @@ def test_declared_rounds_and_agents_next_turns_stay_on_their_replica(fleet):
     nxt = [chat(fleet, [*t["messages"], {"role": "assistant", "content": reply}, {"role": "user", "content": heard}],
                 agent_id=t["agent_id"]) for t, (reply, _, _) in zip(turns, first)]
     assert {replica for _, replica, _ in nxt} == {home}
-    # a declared round larger than a replica takes: groups in arrival order, each on one replica
+    # a declared round larger than a replica takes: groups of at most MOST, each on one replica
     five = agents([f"w{i}" for i in range(5)])
     with ThreadPoolExecutor(5) as pool:
         replies = list(pool.map(lambda t: chat(fleet, t["messages"], agent_id=t["agent_id"], round_id="r2",
@@ -147,27 +148,37 @@ def members(s: Server) -> float:
 
 
 def test_requests_that_share_text_but_name_no_round_meet_on_one_replica(fleet):
+    """Undeclared chat requests sharing a feed: held at the endpoint while another chat is there and
+    sent to one replica together. There the first to arrive is alone at its endpoint and goes on
+    alone, the others form a round; the next burst, right after, is held whole at both doors (the
+    first of a burst after one that formed a round, `Door`), so all of it is one round."""
     people = ["gus", "hal", "ida"]  # at most MOST: one group
     prompts = [[persona(p), {"role": "user", "content": f"Morning, {p}. Your neighbour {q} says hello."},
                 {"role": "user", "content": f"{FEED}\nWhat do you say?"}] for p, q in zip(people, people[1:] + people[:1])]
-    before = members(fleet)
+    clients = [fleet.client() for _ in prompts]
+
+    def burst() -> tuple[set, float]:
+        before, start = members(fleet), threading.Barrier(len(prompts))
+
+        def send(i: int):
+            start.wait()
+            raw = clients[i].chat.completions.with_raw_response.create(model=MODEL, messages=prompts[i], temperature=0,
+                                                                        max_tokens=TOKENS)
+            return raw.headers["x-tokendance-replica"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replicas = set(pool.map(send, range(len(prompts))))
+        return replicas, members(fleet) - before
+
     busy = threading.Thread(target=lambda: fleet.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story about a river."}], max_tokens=96))
     busy.start()
     time.sleep(0.5)  # another chat request at the endpoint: these are held and gathered
-    clients, start = [fleet.client() for _ in prompts], threading.Barrier(len(prompts))
-
-    def send(i: int):
-        start.wait()
-        raw = clients[i].chat.completions.with_raw_response.create(model=MODEL, messages=prompts[i], temperature=0,
-                                                                    max_tokens=TOKENS)
-        return raw.headers["x-tokendance-replica"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        replicas = list(pool.map(send, range(len(prompts))))
+    first, gathered = burst()
     busy.join()
-    assert len(set(replicas)) == 1, replicas
-    assert members(fleet) - before == len(prompts)  # and its endpoint gathered them into one round
+    assert len(first) == 1 and gathered >= len(prompts) - 1, (first, gathered)
+    second, gathered = burst()  # nothing else at the endpoint now
+    assert second == first and gathered == len(prompts)
     metrics = fleet.request("GET", "/metrics")[2].decode()
     assert set(re.findall(r'replica="([^"]+)"', metrics)) == {r["replica"] for r in listed(fleet)["data"]}
 
