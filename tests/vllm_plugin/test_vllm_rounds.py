@@ -143,6 +143,19 @@ def test_incomplete_rounds_are_planned_at_the_timeout_and_late_members_are_exact
     assert b.find("a2").role == "exact" and b.claim("a2", 0, now=1.6) == 0
 
 
+def test_a_round_still_filling_waits_for_members_that_come_one_after_another():
+    """The timeout counts from the latest member: four members 0.8 s apart (as a large round's
+    long prompts reach the scheduler) under a 1 s timeout form one round; a fifth that never comes
+    is waited for one timeout after the fourth."""
+    b = book(timeout=1.0)
+    agents = [f"a{i}" for i in range(4)]
+    for i, agent in enumerate(agents):
+        b.add(agent, tag(agent, size=5), prompt([100 + i] * 4, OUTPUTS, [200 + i]), now=0.8 * i)
+        assert b.claim("a0", 0, now=0.8 * i + 0.7) is None  # 3.1 s after the first: still filling
+    assert b.claim("a0", 0, now=2.4 + 1.1) in (0, None)  # planned: no member came for 1 s
+    assert sorted(b.find(a).role for a in agents) == ["master", "mirror", "mirror", "mirror"]
+
+
 def test_mirrors_fall_back_to_exact_when_their_master_is_gone_or_too_slow():
     for gone in (True, False):
         b = book(hold=10.0)

@@ -76,6 +76,7 @@ class RoundBook:
         member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1,
                                    self.min_piece_tokens)
         round_.members[request_id] = member
+        round_.latest = now
         self.members[request_id] = (round_, member)
         if round_.is_complete(now, self.round_timeout_s):
             self._plan(round_)
