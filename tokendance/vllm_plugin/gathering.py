@@ -2,8 +2,10 @@
 settings): chat requests that name no round are gathered into rounds, by `tokendance serve`'s rule
 (`tokendance/round_gathering.py`), and tagged for the connector as declared members are.
 
-- Candidates. A lone request is never held: one that comes while no other chat request is at the
-  endpoint (held, or sent on and not answered yet) goes on at once. Otherwise the connector's
+- Candidates. A lone request is held only as the first of a burst (`Door`): one that comes while no
+  other chat request is at the endpoint (held, or sent on and not answered yet) goes on at once,
+  unless the endpoint emptied less than `NEXT_BURST_S` ago after a burst that formed a round (an
+  app's next step). Otherwise the connector's
   `transparent_rule` says which are held: `shared` (`AnyText`), every one, whoever wrote the text
   it may share; `quotes` (`RecentReplies`), one that quotes a recent reply: a line of one of its
   non-assistant messages holds the start (`MIN_SHARED_CHARS` characters from its first word) of a
