@@ -437,7 +437,7 @@ def check(target: Target, wave: dict, idle: dict) -> dict:
     held = target.held()
     back = {k: v for k, v in held.items() if k in ("kv_blocks_used", "kv_usage", "agent_sessions")}
     return {"settled_s": round(settled, 2), "health": [status, round(health_s, 2)], "held": held,
-            "idle": all(abs(v - idle.get(k, 0.0)) < 1e-9 for k, v in back.items())}
+            "idle": all(v - idle.get(k, 0.0) < 1e-9 for k, v in back.items())}  # no more than at the start
 
 
 WAVES = {"corpus": corpus_wave, "leave": leave_wave, "rounds": rounds_wave, "soak": soak_wave}

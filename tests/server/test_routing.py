@@ -102,6 +102,16 @@ def test_rendezvous_moves_only_the_keys_of_a_replica_that_leaves():
     assert len({before[k] for k in keys}) == 3  # and keys spread over every replica
 
 
+def test_bodies_the_replica_refuses_still_route():
+    """A body nested too deeply for Python's JSON parser routes anywhere (the replica answers its
+    400), and text with a lone surrogate (valid JSON: "\\ud800") hashes like any other."""
+    assert route_for("POST", "/v1/chat/completions", b"[" * 100_000, "") == Route("any")
+    odd = route_for("POST", "/v1/completions", b'{"model": "m", "prompt": "\\ud800", "cache_salt": "\\udfff"}', "")
+    assert odd.kind == "prefix" and Placement().choose(odd, REPLICAS, idle)[0] in REPLICAS
+    agent = route_for("POST", "/v1/chat/completions", body(agent_id="\ud800", messages=[]), "t")
+    assert agent.kind == "session" and Placement().choose(agent, REPLICAS, idle)[0] in REPLICAS
+
+
 def test_a_replica_can_be_addressed_by_rank_for_broadcasts():
     placement = Placement()
     assert [placement.choose(Route("replica", replica=i), REPLICAS, idle)[0] for i in range(4)] == REPLICAS + ["r0"]

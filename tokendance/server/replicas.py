@@ -78,7 +78,12 @@ class KVAffinityRouter(RequestRouter):
         def load(name: str) -> int:
             return cache.get(by_name[name].replica_id) or 0
 
-        ranked = [by_name[name] for name in self.placement.choose(route, sorted(by_name), load)]
+        try:
+            names = self.placement.choose(route, sorted(by_name), load)
+        except Exception:  # a routing bug must not leave the request waiting: any replica answers it
+            log.exception("routing a %r request failed; the least loaded replica takes it", route.kind)
+            names = sorted(by_name, key=load)
+        ranked = [by_name[name] for name in names]
         # the chosen replica first; the others only if it cannot take the request (full or gone)
         return [rank for rank in (ranked[:1], ranked[1:]) if rank]
 
@@ -385,7 +390,7 @@ async def _each_replica(call, num_replicas: int) -> list:
 def _json_object(body: bytes) -> dict | None:
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 

@@ -77,7 +77,7 @@ def cache_namespace(tenant: str | None, cache_salt: str | None) -> str:
 def agent_key(namespace: str, agent_id: str) -> str:
     """The engine's (and the router's) name for a client's agent: scoped by cache namespace, so
     tenants that pick the same agent id never share a session."""
-    scope = hashlib.sha256(namespace.encode()).hexdigest()[:16] if namespace else ""
+    scope = hashlib.sha256(_utf8(namespace)).hexdigest()[:16] if namespace else ""
     return f"agent:{scope}:{agent_id}"
 
 
@@ -91,7 +91,7 @@ def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
         return Route("any")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # the replica answers what is wrong
         return Route("any")
     if not isinstance(data, dict):
         return Route("any")
@@ -122,7 +122,7 @@ def transparent_route(namespace: str, conversations: Sequence[str]) -> Route:
     """The route of a transparent round's members (one round: one replica), placed where most of
     their conversations were."""
     names = tuple(sorted(set(conversations)))
-    digest = hashlib.sha256("|".join(names).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_utf8("|".join(names))).hexdigest()[:16]
     return Route("round", f"{namespace}|transparent|{digest}", names)
 
 
@@ -207,11 +207,16 @@ def _opening(data: dict) -> str:
     return "\n".join(parts)[:PREFIX_CHARS]
 
 
+def _utf8(text: str) -> bytes:
+    """`text`'s bytes for hashing, a lone surrogate (`"\\ud800"` in a JSON body) included."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def rendezvous(key: str, replicas: Sequence[str]) -> list[str]:
     """Replicas ranked for `key` by highest random weight: a key keeps its replica when others
     join or leave."""
     def weight(replica: str) -> bytes:
-        return hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest()
+        return hashlib.blake2b(_utf8(f"{key}\0{replica}"), digest_size=8).digest()
 
     return sorted(replicas, key=weight, reverse=True)
 
