@@ -201,7 +201,7 @@ class Ingress:
         self.num_replicas = fleet.num_replicas
         self.door = Door()  # chat requests at the endpoint (held, or sent and not answered yet)
         self.hold = TransparentHold(fleet, self.door) if fleet.gather_window_s > 0 else None
-        self.declared: OrderedDict[str, int] = OrderedDict()  # split declared rounds -> members seen
+        self.declared: OrderedDict[str, GroupFill] = OrderedDict()  # split declared rounds still filling
         self.restored: int | None = None  # keys read back from the replicas at start (None: not yet)
 
     async def __call__(self, request: Request) -> Response:

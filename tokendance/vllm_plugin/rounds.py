@@ -153,8 +153,7 @@ class Member:
 class Round:
     key: tuple[str, str]
     size: int | None
-    opened: float
-    latest: float = 0.0  # when its latest member arrived
+    latest: float  # when its latest member arrived
     members: dict[str, Member] = field(default_factory=dict)
     planned: bool = False
     pinned: list[int] = field(default_factory=list)  # block ids held for the masters
@@ -165,4 +164,4 @@ class Round:
         """All its members came, or none came for `timeout`: a large round's members reach the
         scheduler one after the other (each rendered and tokenized by the API server first), so a
         round still filling is waited for."""
-        return (self.size is not None and len(self.members) >= self.size) or now - max(self.opened, self.latest) >= timeout
+        return (self.size is not None and len(self.members) >= self.size) or now - self.latest >= timeout

@@ -17,35 +17,38 @@ rewind then does on CPU what it does on GPUs; nothing else changes.
 from __future__ import annotations
 
 import functools
+import logging
 
-_classes: list[type] = []
+logger = logging.getLogger("tokendance.vllm")
 
 
+@functools.cache
 def rewindable_generator() -> type:
     """The `torch.Generator` subclass whose offset vLLM's rewind can move (made once: torch is
     imported only here, in vLLM's processes)."""
-    if not _classes:
-        import torch
+    import torch
 
-        class RewindableGenerator(torch.Generator):
-            """A CPU generator that keeps its state before each sampling step (`keep`): its offset
-            reads 0, and setting one restores the kept state (undoes the step's draws)."""
+    class RewindableGenerator(torch.Generator):
+        """A CPU generator that keeps its state before each sampling step (`keep`): its offset
+        reads 0, and setting one restores the kept state (undoes the step's draws)."""
 
-            kept = None
+        kept = None
 
-            def keep(self) -> None:
+        def keep(self) -> None:
+            try:
                 self.kept = self.get_state()
+            except Exception:  # then no rewind (vLLM's own outcome on CPU), never a stopped step
+                self.kept = None
 
-            def get_offset(self) -> int:
-                return 0
+        def get_offset(self) -> int:
+            return 0
 
-            def set_offset(self, offset: int):
-                if self.kept is not None:
-                    self.set_state(self.kept)
-                return self
+        def set_offset(self, offset: int):
+            if self.kept is not None:
+                self.set_state(self.kept)
+            return self
 
-        _classes.append(RewindableGenerator)
-    return _classes[0]
+    return RewindableGenerator
 
 
 def rewindable(generator):
@@ -54,19 +57,28 @@ def rewindable(generator):
     cls = rewindable_generator()
     if generator is None or isinstance(generator, cls) or generator.device.type != "cpu":
         return generator
-    fresh = cls(device="cpu")
-    fresh.set_state(generator.get_state())
+    try:
+        fresh = cls(device="cpu")
+        fresh.set_state(generator.get_state())
+    except Exception:  # never the request's end: it keeps vLLM's own generator (and vLLM's rewind)
+        logger.exception("TokenDance: a seeded request's generator could not be made rewindable")
+        return generator
     return fresh
 
 
 def install() -> None:
     """Wrap the input batch's `add_request` (a seeded request's CPU generator made rewindable, for
     the batch and for the request's state, which re-adds it after a preemption) and the sampler's
-    `forward` (each rewindable generator keeps its state first). Safe to call twice."""
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.worker.gpu_input_batch import InputBatch
+    `forward` (each rewindable generator keeps its state first). Safe to call twice. A vLLM
+    without them is left as it is (logged)."""
+    try:
+        from vllm.v1.sample.sampler import Sampler
+        from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    add_request = InputBatch.__dict__["add_request"]
+        add_request, forward = InputBatch.__dict__["add_request"], Sampler.__dict__["forward"]
+    except (ImportError, KeyError) as exc:
+        logger.warning("TokenDance: seeded requests keep vLLM's own rewind (%s: %s)", type(exc).__name__, exc)
+        return
     if not getattr(add_request, "_tokendance_rewind", False):
         @functools.wraps(add_request)
         def add(self, request, *args, **kwargs):
@@ -76,7 +88,6 @@ def install() -> None:
         add._tokendance_rewind = True
         InputBatch.add_request = add
 
-    forward = Sampler.__dict__["forward"]
     if not getattr(forward, "_tokendance_rewind", False):
         cls = rewindable_generator()
 
