@@ -8,7 +8,7 @@ VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
 DSTAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-slow test-fast test-vllm vllm oasis bench docs clean
+.PHONY: demo test test-slow test-fast test-vllm test-models models vllm oasis bench docs clean
 
 # Every run prints its slowest tests, so where the suite's time goes shows in every log.
 DURATIONS := --durations=25
@@ -40,6 +40,20 @@ $(VSTAMP): pyproject.toml tokendance/vllm_plugin/install_cpu.py
 	touch $(VSTAMP)
 
 vllm: $(VSTAMP)
+
+# Model packs: real Qwen2.5 checkpoints installed by name (tokendance/model/packs.py), each GGUF
+# assembled once under ~/.cache/tokendance/models ($$TOKENDANCE_MODELS), the 0.5B's folder for vLLM
+# written beside it. `make test` needs none of them; `make test-models` checks them.
+PACKS := qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+models: $(STAMP) $(VSTAMP)
+	for pack in $(PACKS); do $(VENV)/bin/tokendance models install $$pack || exit 1; done
+	$(VVENV)/bin/tokendance models folder qwen2.5-coder-0.5b
+
+# The packs against transformers (tokens, template, greedy output, logits), and the 0.5B inside
+# vLLM with the connector (exact at ratio 1.0, tool calls through both doors): about 8 minutes.
+test-models: models
+	$(PY) -m pytest -q $(DURATIONS) -m packs tests/packs
+	$(VPY) -m pytest -q $(DURATIONS) -m packs tests/vllm_plugin/test_vllm_packs.py
 
 # OASIS (CAMEL-AI's social-media simulation) in an environment of its own, for
 # benchmarks/oasis_bench.py: torch first so pip keeps the CPU build; mcp 2 breaks `import oasis`.
@@ -75,7 +89,7 @@ test-slow: $(STAMP) $(VSTAMP)
 	TOKENDANCE_HF_CACHE=$(VVENV)/smollm2-hf $(VPY) -m pytest -q $(DURATIONS) -m slow tests/vllm_plugin || [ $$? -eq 5 ]
 
 test-fast: $(STAMP)  # every test that does not run the model, in seconds
-	$(PY) -m pytest -q -m "not model and not slow"
+	$(PY) -m pytest -q -m "not model and not slow and not packs"
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -10,7 +10,7 @@ from tokendance.cli import build_parser
 def test_every_option_of_every_command_says_what_it_does():
     parser = build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(commands.choices) == {"generate", "chat", "demo", "serve", "bench"}
+    assert set(commands.choices) == {"generate", "chat", "demo", "serve", "bench", "models"}
     for name, command in commands.choices.items():
         assert command.description, name
         for action in command._actions:

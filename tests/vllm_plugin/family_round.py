@@ -7,7 +7,8 @@ prompts computed exactly; writes each agent's role, claimed tokens and first-tok
 (SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'; ENGINE_JSON:
 more of `vllm.LLM`'s arguments, e.g. '{"tensor_parallel_size": 2}'; SAMPLING_JSON: of
 `SamplingParams`', e.g. '{"max_tokens": 160, "ignore_eos": true}'.) Also writes each agent's output
-`tokens`, and `preemptions` (vLLM's count, where its stats are on: '{"disable_log_stats": false}').
+`tokens`, `preemptions` (vLLM's count, where its stats are on: '{"disable_log_stats": false}'), and
+`layer0`: layer 0's keys of a prompt moved by the connector's rotation against keys computed there.
 """
 
 import json
@@ -57,7 +58,39 @@ def main():
     reused, exact = run("reused", True), run("exact", False)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") \
         if llm.llm_engine.log_stats else None
-    json.dump({"reused": reused, "exact": exact, "preemptions": preemptions}, open(out, "w"))
+    json.dump({"reused": reused, "exact": exact, "preemptions": preemptions, "layer0": layer0_moved(prompts)},
+              open(out, "w"))
+
+
+def layer0_moved(prompts: dict) -> dict:
+    """Layer 0's K/V of one agent's prompt computed at its own positions, moved by the connector's
+    `KeyRotator` to 517 positions later, against K/V computed there (layer 0 reads no context: its
+    K/V at a position depend on the token alone): the keys' relative error, the values' max error."""
+    import torch
+
+    from tokendance.vllm_plugin import handoff
+    from tokendance.vllm_plugin.mirror_pass import KeyRotator
+
+    model = handoff.model()
+    inner = getattr(model, "model", model)
+    attn = inner.layers[0].self_attn
+    tokens = torch.tensor(prompts[NAMES[0]])
+    src = torch.arange(len(tokens))
+    dst = src + 517
+
+    def kv_at(positions):
+        with torch.no_grad():
+            hidden = inner.layers[0].input_layernorm(inner.embed_tokens(tokens))
+            qkv, _ = attn.qkv_proj(hidden)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            _, k = attn.rotary_emb(positions, q, k)
+        heads = attn.kv_size // attn.head_dim
+        return k.view(len(tokens), heads, attn.head_dim), v
+
+    (k_src, v_src), (k_dst, v_dst) = kv_at(src), kv_at(dst)
+    moved = KeyRotator(attn.rotary_emb)(k_src, src, dst)
+    return {"key_relative_error": ((moved - k_dst).norm() / k_dst.norm()).item(),
+            "value_max_error": (v_src - v_dst).abs().max().item(), "tokens": len(tokens)}
 
 
 if __name__ == "__main__":  # (tensor-parallel workers are spawned: they import this file)

@@ -7,12 +7,10 @@ good and bad, answered alike by `tokendance serve` and by vLLM with the plugin."
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,43 +24,19 @@ import openai  # noqa: E402
 
 from tests.helpers import kv_bytes, serving  # noqa: E402
 from tests.vllm_plugin.conftest import generative_agents  # noqa: E402
+from tests.vllm_plugin.serving import vllm_serving  # noqa: E402
 
 MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = {"kv_connector": "TokenDanceConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"recompute_ratio": 1.0, "store_gib": 0.5,
-                                            # a wider window than the default 0.05 s: on a busy 2-core
-                                            # machine a burst's requests can come 50 ms apart
-                                            "transparent_rounds": True, "gather_window_s": 0.2}}
-    env = {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    log = tempfile.TemporaryFile()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
-         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "4096", "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
-         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(config)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                log.seek(0)
-                pytest.fail(f"vllm serve did not start:\n{log.read().decode(errors='replace')[-4000:]}")
-            time.sleep(1)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    process.terminate()
-    process.wait(timeout=60)
+    settings = {"recompute_ratio": 1.0, "store_gib": 0.5,
+                # a wider window than the default 0.05 s: on a busy 2-core machine a burst's
+                # requests can come 50 ms apart
+                "transparent_rounds": True, "gather_window_s": 0.2}
+    with vllm_serving(model_folder, MODEL, settings, "--enable-prompt-tokens-details", start_timeout_s=300) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", default=None, choices=["same", "shuffle", "exclude-self"],
                         help="order of the shared blocks in each prompt (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's text")
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default model if omitted)")
+    parser.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or model pack (default model if omitted)")
     parser.add_argument("--dtype", default=registry.DEFAULT_DTYPE, choices=list(registry.DTYPES),
                         help=registry.describe(registry.DTYPES))
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on every agent's output length")

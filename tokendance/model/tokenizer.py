@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tokendance.errors import ModelLoadError
 
 GGUF_CONTROL_TOKEN = 3  # llama.cpp token type of special (control) tokens
+GGUF_USER_DEFINED_TOKEN = 4  # added tokens that are text, e.g. Qwen's <tool_call>: matched whole, kept in decoding
 
 # Fallback when a model carries no chat template: ChatML, the format SmolLM2 was trained on.
 CHATML_TEMPLATE = (
@@ -74,14 +75,25 @@ class ChatTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    @functools.cached_property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders a request's `tools` itself (Qwen's does; SmolLM2's
+        knows none)."""
+        import jinja2.meta
+
+        return "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(self.chat_template))
+
     def apply_chat_template(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None
     ) -> str:
+        """The template rendered as transformers renders it; `tools` (OpenAI's form) are passed to a
+        template that knows them."""
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **({"tools": list(tools)} if tools else {}),
         )
 
 
@@ -133,4 +145,6 @@ def tokenizer_from_gguf_metadata(
         if kind == GGUF_CONTROL_TOKEN
     ]
     tokenizer.add_special_tokens(specials)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
+                          for token, kind in zip(tokens, token_types) if kind == GGUF_USER_DEFINED_TOKEN])
     return tokenizer

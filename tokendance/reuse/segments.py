@@ -32,6 +32,7 @@ class AgentTurn:
     messages: Sequence[dict] | None = None
     segments: Sequence[Segment | str] | None = None
     namespace: str = ""
+    tools: Sequence[dict] | None = None  # with messages: rendered by a template that knows tools
 
 
 @dataclass
@@ -73,39 +74,43 @@ class TokenizedTurn:
         return [s for s in self.spans if s.key is not None and s.end <= end]
 
 
-def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[list[int]]:
+def chat_segments(tokenizer: ChatTokenizer, messages: Sequence[dict],
+                  tools: Sequence[dict] | None = None) -> list[list[int]]:
     """Token ids of each message as the chat template renders it, one segment per line of its
     content, plus the generation prompt. Linear in the conversation's size (the template is
     rendered twice, whatever the number of messages); falls back to one segment if the template
-    does not render messages one after the other."""
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    pieces = _message_pieces(tokenizer, messages, full)
+    does not render messages one after the other. `tools` go to the template (one that knows
+    them writes them into a message, Qwen's after the first system message's content)."""
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    pieces = _message_pieces(tokenizer, messages, full, tools)
     if pieces is None:
         return [tokenizer.encode(full)]
     contents = [m["content"] for m in messages] + [""]
     return [tokenizer.encode(line) for piece, content in zip(pieces, contents) for line in split_lines(piece, content)]
 
 
-def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[dict]) -> list[int]:
+def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
     """A chat's prompt: its segments' ids in a row. The one translation of messages to ids, for
     the offline API and the server alike (a message has the same ids wherever it sits)."""
     validate_messages(messages)
-    return [t for segment in chat_segments(tokenizer, messages) for t in segment]
+    return [t for segment in chat_segments(tokenizer, messages, tools) for t in segment]
 
 
 def _sentinel(index: int) -> str:
     return f"\x00\x01td{index}\x01\x00"
 
 
-def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: str) -> list[str] | None:
+def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: str,
+                    tools: Sequence[dict] | None = None) -> list[str] | None:
     """The rendering of each message (header, content, trailer) and the generation prompt, such
     that they concatenate to `full`; None if the template does not allow that cut.
 
     The messages are rendered once with sentinels for their contents: the text between two
     sentinels is one message's trailer followed by the next one's header; the trailer is what the
-    template puts after a lone message of that role."""
+    template puts after a lone message of that role. Text the template writes between a content
+    and its trailer (Qwen's tools) stays with that message."""
     marked = [{**m, "content": _sentinel(i)} for i, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tools=tools)
     between, position = [], 0
     for i in range(len(messages)):
         found = rendered.find(_sentinel(i), position)
@@ -121,10 +126,13 @@ def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: st
         if role not in trailers:
             trailers[role] = _trailer(tokenizer, message)
         trailer = trailers[role]
-        if trailer is None or not between[i + 1].startswith(trailer):
+        end = -1 if trailer is None else between[i + 1].find(trailer) if tools else \
+            (0 if between[i + 1].startswith(trailer) else -1)
+        if end < 0:
             return None
-        pieces.append(carried + message["content"] + trailer)
-        carried = between[i + 1][len(trailer):]
+        end += len(trailer)
+        pieces.append(carried + message["content"] + between[i + 1][:end])
+        carried = between[i + 1][end:]
     pieces.append(carried)
     if "".join(pieces) != full:  # the template changed a content (trimmed it, say): no cut
         return None
@@ -185,7 +193,7 @@ def _turn_segments(tokenizer: ChatTokenizer, turn: AgentTurn) -> list[tuple[list
         raise InvalidRequestError(f"agent {turn.agent_id!r}: give either messages or segments")
     if turn.messages is not None:
         validate_messages(turn.messages)
-        return [(ids, None) for ids in chat_segments(tokenizer, turn.messages)]
+        return [(ids, None) for ids in chat_segments(tokenizer, turn.messages, turn.tools)]
     segments = []
     for segment in turn.segments:
         if isinstance(segment, str):

@@ -44,8 +44,9 @@ from tokendance.server.protocol import (
 )
 from tokendance.server.replies import chat_response, completion_response, round_response
 from tokendance.tool_formats import FORMATS as TOOL_FORMATS
+from tokendance.tool_formats import Hermes
 from tokendance.tool_formats import detect as detect_tool_format
-from tokendance.server.tools import render_messages
+from tokendance.server.tools import render_messages, template_tools
 from tokendance.server.responses import (
     ResponseEvents,
     ResponsesRequest,
@@ -108,6 +109,11 @@ class Api:
         self._hidden = frozenset(self.engine.model_config.eos_token_ids)  # in logprobs, not in content
         self.tool_format = (detect_tool_format(llm.tokenizer.chat_template) if config.tool_call_format == "auto"
                             else TOOL_FORMATS[config.tool_call_format])
+        # A hermes template that renders tools and calls itself (Qwen's) gets them as transformers
+        # and vLLM pass them: the prompt the model was trained on, the same through both doors.
+        self.calls_in_template = llm.tokenizer.knows_tools and self.tool_format.name == "hermes"
+        self.marker_tokens = {text: token for text in (Hermes.OPEN, Hermes.CLOSE)
+                              if (token := llm.tokenizer.token_to_id(text)) is not None}
 
     # ------------------------------------------------------------ plain routes
 
@@ -179,12 +185,14 @@ class Api:
             if structured is not None:
                 raise ApiError(400, "a forced tool_choice cannot be combined with response_format or guided_*",
                                param="tool_choice")
-            structured, structured_param = tools.constraint(body.parallel_tool_calls), "tools"
+            structured, structured_param = tools.constraint(body.parallel_tool_calls, self.marker_tokens), "tools"
         no_calls = tools is None and (body.tools or any(m.tool_calls for m in body.messages))
         if no_calls and structured is None:  # the model answers in words where it would have called
             structured, structured_param = StructuredOutput(grammar=self.tool_format.text_grammar()), "tool_choice"
         await self._compile(structured, structured_param)
-        messages = render_messages(body.chat_messages(self.tool_format), tools)
+        messages = render_messages(body.chat_messages(self.tool_format, self.calls_in_template), tools,
+                                   self.calls_in_template)
+        described = template_tools(tools) if tools and self.calls_in_template else None
         params = self._sampling(body, None, max_tokens=body.max_completion_tokens, structured=structured,
                                 logprobs=body.num_logprobs())
         marker = self.tool_format.marker
@@ -193,16 +201,17 @@ class Api:
         namespace = _namespace(request, body.cache_salt)
         sink = Sink(key, body.n, constraint_param=structured_param)
         if body.n == 1:
-            prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace), "messages")
+            prepared = await self._validate(lambda: self._chat_request(messages, params, key, namespace, tools=described),
+                                            "messages")
             turn = ChatTurn(key, messages, prepared.sampling_params, prepared, sink, namespace=namespace,
                             agent_id=body.agent_id, round_id=body.round_id, round_size=body.round_size,
-                            arrival=time.monotonic())
+                            arrival=time.monotonic(), tools=described)
             may_join = (body.agent_id or body.round_id or self.config.gather_window_s > 0) and \
                 params.prompt_logprobs is None  # scored prompts are computed whole, never in a round
             self.loop.submit(TurnJob(turn) if may_join else GenerateJob([prepared], sink))
         else:
             requests = await self._validate(
-                lambda: [self._chat_request(messages, params.choice(i), f"{key}-{i}", namespace, group=key)
+                lambda: [self._chat_request(messages, params.choice(i), f"{key}-{i}", namespace, group=key, tools=described)
                          for i in range(body.n)], "messages")
             self.loop.submit(GenerateJob(requests, sink, share_prompt=True))
         return sink, params, tools
@@ -242,7 +251,7 @@ class Api:
         for i, agent in enumerate(body.agents):
             try:
                 agent.check_supported()
-                messages = [m.as_dict(j, self.tool_format) for j, m in enumerate(agent.messages)]
+                messages = [m.as_dict(j, self.tool_format, self.calls_in_template) for j, m in enumerate(agent.messages)]
             except ApiError as exc:
                 exc.param = f"agents.{i}.{exc.param}"
                 raise
@@ -306,11 +315,13 @@ class Api:
         self._check_model(body.model)
         body.check_supported()
 
-    def _chat_request(self, messages, params, request_id: str, namespace: str, group: str | None = None):
+    def _chat_request(self, messages, params, request_id: str, namespace: str, group: str | None = None,
+                      tools: list[dict] | None = None):
         """Messages tokenized one by one (as rounds do), so a request gives the same ids whether it
-        joins a round or not, and a shared message the same ids wherever it sits."""
+        joins a round or not, and a shared message the same ids wherever it sits; `tools` for a
+        template that renders them."""
         self.engine.check_chat_size(messages)
-        token_ids = chat_token_ids(self.engine.tokenizer, messages)
+        token_ids = chat_token_ids(self.engine.tokenizer, messages, tools)
         if params.max_tokens is None:  # "as long as it likes": up to the context window or the KV pool
             room = min(self.engine.max_model_len, self.engine.num_kv_tokens) - len(token_ids)
             params = dataclasses.replace(params, max_tokens=max(1, room))

@@ -9,13 +9,15 @@ import sys
 
 from tokendance import registry
 from tokendance.cli_types import parse_bytes
+from tokendance.errors import ModelLoadError
 from tokendance.tool_formats import TOOL_CALL_FORMATS
 
 DEFAULT_GATHER_MS = 50.0
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    add("--model", default=None, help="GGUF file, Hugging Face folder or model pack, e.g. qwen2.5-coder-0.5b "
+        "(default: SmolLM2-135M-Instruct; with --engine vllm a pack is served from its Hugging Face folder)")
     add("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=int, default=8000, help="port to listen on")
@@ -96,6 +98,7 @@ def run_server(args: argparse.Namespace) -> int:
     from tokendance.config import EngineConfig
     from tokendance.errors import InvalidRequestError
     from tokendance.model.loader import check_model_path
+    from tokendance.model.packs import PACKS, pack_path
 
     if args.replicas < 1:
         raise InvalidRequestError("--replicas must be >= 1")
@@ -111,6 +114,8 @@ def run_server(args: argparse.Namespace) -> int:
     server_config(args, args.served_model_name or "model")
     if args.engine == "tokendance":
         check_model_path(args.model)
+    elif args.model in PACKS:
+        pack_path(args.model)  # installed, or refused with the command that installs it
     # Bind first: a busy port fails in a second with one line, not after loading the model.
     try:
         sock = socket.create_server((args.host, args.port), backlog=2048)
@@ -126,10 +131,23 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"error: --replicas needs Ray Serve: pip install 'tokendance[ray]' ({exc})", file=sys.stderr)
             return 1
         name = args.served_model_name or ("smollm2" if args.engine == "vllm" and not args.model else None)
+        if args.engine == "vllm" and args.model in PACKS:  # vLLM serves a pack from its folder
+            name, args.model = name or args.model, pack_folder(args.vllm_python, args.model)
         if args.engine == "vllm" and name is None:
             name = os.path.basename(os.path.normpath(args.model))
         return run_replicas(args, llm_args, server_config(args, name))
     return _serve_one(args, sock, llm_args)
+
+
+def pack_folder(python: str, pack: str) -> str:
+    """The Hugging Face folder of an installed model pack, written once by the vLLM environment's
+    transformers (`tokendance models folder`)."""
+    import subprocess
+
+    done = subprocess.run([python, "-m", "tokendance.cli", "models", "folder", pack], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ModelLoadError(f"the folder of model pack {pack!r} could not be written: {done.stderr.strip()[-500:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def gather_window_ms(args: argparse.Namespace) -> float:

@@ -299,7 +299,8 @@ class EngineLoop:
             f"anon:{next(self._anonymous)}" if t.agent_id is None else agent_key(t.namespace, t.agent_id)
             for t in turns
         ]
-        agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace) for a, t in zip(agent_ids, turns)]
+        agent_turns = [AgentTurn(a, messages=t.messages, namespace=t.namespace, tools=t.tools)
+                       for a, t in zip(agent_ids, turns)]
         try:
             job = self.llm.rounds.submit(agent_turns, [t.params for t in turns])
         except Exception as exc:

@@ -25,7 +25,7 @@ from tokendance.round_protocol import (RoundFieldError, check_chat_fields, check
                                        check_round_request)
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokendance.tool_formats import ToolFormat
-from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls
+from tokendance.server.tools import HERMES, ToolError, Tools, render_tool_calls, template_tool_calls
 from tokendance.structured import StructuredOutput
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -218,7 +218,7 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None  # a tool result's call
     name: StrictStr | None = None
 
-    def as_dict(self, index: int, tool_format: ToolFormat = HERMES) -> dict[str, str]:
+    def as_dict(self, index: int, tool_format: ToolFormat = HERMES, calls_in_template: bool = False) -> dict:
         if self.role not in ROLES:
             raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}",
                            param=f"messages.{index}.role")
@@ -227,16 +227,21 @@ class ChatMessage(BaseModel):
             if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ApiError(400, "only text content parts are supported", param=f"messages.{index}.content")
             content = "".join(p["text"] for p in content)
+        calls = None
         if self.role == "assistant" and self.tool_calls:
+            param = f"messages.{index}.tool_calls"
             try:
-                content = (content or "") + render_tool_calls(self.tool_calls, f"messages.{index}.tool_calls", tool_format)
+                if calls_in_template:
+                    calls, content = template_tool_calls(self.tool_calls, param), content or ""
+                else:
+                    content = (content or "") + render_tool_calls(self.tool_calls, param, tool_format)
             except (ToolError, ValueError) as exc:
-                raise ApiError(400, str(exc), param=getattr(exc, "param", f"messages.{index}.tool_calls"),
-                               code="invalid_value") from None
+                raise ApiError(400, str(exc), param=getattr(exc, "param", param), code="invalid_value") from None
         if content is None:
             raise ApiError(400, f"messages[{index}].content is required", param=f"messages.{index}.content")
         check_text(content, f"messages.{index}.content")
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return message if calls is None else {**message, "tool_calls": calls}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -259,8 +264,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
 
-    def chat_messages(self, tool_format: ToolFormat = HERMES) -> list[dict[str, str]]:
-        return [m.as_dict(i, tool_format) for i, m in enumerate(self.messages)]
+    def chat_messages(self, tool_format: ToolFormat = HERMES, calls_in_template: bool = False) -> list[dict]:
+        return [m.as_dict(i, tool_format, calls_in_template) for i, m in enumerate(self.messages)]
 
     def tool_set(self, tool_format: ToolFormat = HERMES) -> Tools | None:
         try:

@@ -4,7 +4,9 @@
 The tool definitions go into one system message placed first (identical for every agent that has
 the same tools, so it is a shared span like any other message) that describes the format, and the
 model calls a tool by answering in it, e.g. in the `hermes` format (Qwen's, and the generic one
-for models whose template knows no tools, SmolLM2's among them)
+for models whose template knows no tools, SmolLM2's among them). A hermes template that renders
+`tools` itself (Qwen's) is given them instead, with earlier calls as structured `tool_calls`, so
+the model reads the prompt it was trained on, the one transformers and vLLM render:
 
     <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tokendance.tool_formats import FORMATS, Hermes, ToolFormat
@@ -95,9 +98,10 @@ class Tools:
     def system_message(self) -> dict:
         return {"role": "system", "content": self.format.preamble(self.functions)}
 
-    def constraint(self, parallel: bool) -> StructuredOutput | None:
+    def constraint(self, parallel: bool, marker_tokens: Mapping[str, int] = {}) -> StructuredOutput | None:
         """For a forced choice: the reply is one call (or, with `parallel`, several) of the
-        allowed tool(s), as a Lark grammar with each call's arguments a JSON schema."""
+        allowed tool(s), as a Lark grammar with each call's arguments a JSON schema; a marker the
+        tokenizer has as one token (`marker_tokens`, text -> id) may be written as that token."""
         if not self.forced:
             return None
         allowed = [f for f in self.functions if self.choice in ("required", f["name"])]
@@ -108,17 +112,33 @@ class Tools:
             schemas.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
                             "required": ["name", "arguments"], "additionalProperties": False,
                             "x-guidance": JSON_OPTIONS})  # compact JSON, as response_format's
-        return StructuredOutput(grammar=self.format.grammar(schemas, parallel))
+        return StructuredOutput(grammar=self.format.grammar(schemas, parallel, marker_tokens))
 
 
-def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:
-    """Template-ready messages: the tools' system message first, assistant tool calls written in
-    the call format."""
-    return ([tools.system_message()] if tools else []) + messages
+def render_messages(messages: list[dict], tools: Tools | None, in_template: bool = False) -> list[dict]:
+    """Template-ready messages: the tools' system message first (unless the template describes
+    the tools itself, `in_template`), assistant tool calls written in the call format."""
+    return ([tools.system_message()] if tools and not in_template else []) + messages
 
 
 def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls", format: ToolFormat = HERMES) -> str:
     """An assistant message's earlier calls in the call format; ToolError if one is malformed."""
+    return format.render(_checked_calls(tool_calls, param))
+
+
+def template_tool_calls(tool_calls: list[dict], param: str = "tool_calls") -> list[dict]:
+    """An assistant message's earlier calls for a template that writes them itself (Qwen's):
+    OpenAI's form with the arguments as an object, as transformers and vLLM pass them."""
+    return [{"type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in _checked_calls(tool_calls, param)]
+
+
+def template_tools(tools: Tools) -> list[dict]:
+    """A request's tools for a template that describes them itself, in OpenAI's form."""
+    return [{"type": "function", "function": f} for f in tools.functions]
+
+
+def _checked_calls(tool_calls: list[dict], param: str) -> list[tuple[str, object]]:
     calls = []
     for i, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
@@ -134,7 +154,7 @@ def render_tool_calls(tool_calls: list[dict], param: str = "tool_calls", format:
         except ValueError:
             pass  # written back as the string it was
         calls.append((function["name"], arguments))
-    return format.render(calls)
+    return calls
 
 
 def parse_tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
