@@ -4,6 +4,7 @@ carry over between runs with the same profiles), same model, dtype and KV memory
 
     make oasis    # OASIS in an environment of its own (.venv-oasis)
     python benchmarks/oasis_bench.py --agents 16 32 --steps 3
+    python benchmarks/oasis_bench.py --agents 16 --model qwen2.5-coder-0.5b   # a model pack
 
 Each run is `benchmarks/oasis_run.py` inside .venv-oasis (OASIS's own agents, Reddit platform and
 tool calls; the client declares no round). Prints per server, agent count and step: the wall
@@ -134,7 +135,9 @@ def main() -> int:
     parser.add_argument("--kv-gib", type=int, default=4, help="KV memory of every server (GiB)")
     parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO)
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "oasis.json"))
+    parser.add_argument("--model", default=None,
+                        help="a model pack's name (tokendance models), served by every server (default: the default model)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/oasis[-<model>].json")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
                         help="compare the agents' actions of two result files (each server and agent count "
                              "in both), step by step, and exit")
@@ -149,18 +152,19 @@ def main() -> int:
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
     args.vllm_args = TOOL_ARGS
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"oasis{'-' + args.model if args.model else ''}.json")
     fresh = {name: {str(n): run(name, n, args) for n in args.agents} for name in args.servers}
     # servers and agent counts not run now keep their last measurement, for the table
     earlier = json.loads(out.read_text())["results"] if out.exists() else {}
     results = {name: {**earlier.get(name, {}), **fresh.get(name, {})} for name in SERVERS if name in earlier or name in fresh}
-    print(f"\nOASIS (Reddit, {args.steps} steps), {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability} "
+    print(f"\nOASIS (Reddit, {args.steps} steps), {args.model or 'the default model'}, {args.dtype}, {args.kv_gib} GiB KV, "
+          f"CPU {cpu.capability} "
           f"(measured now: {', '.join(fresh)}; others: the last run's)")
     print(table(results))
     lengths, agree = prompt_lengths(results)
     print(lengths)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dtype": args.dtype, "kv_gib": args.kv_gib, "cpu": cpu.capability, "steps": args.steps,
+    out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "kv_gib": args.kv_gib, "cpu": cpu.capability, "steps": args.steps,
                                "results": results}, indent=2))
     print(f"results in {out}")
     return 0 if agree else 1

@@ -4,6 +4,7 @@ the other on this machine, same model, dtype and KV memory, each driven by the s
 `vllm+transparent`, the plugin gathering rounds itself):
 
     python benchmarks/vllm_plugin.py --workload generative-agents --agents 16 --rounds 3
+    python benchmarks/vllm_plugin.py --model qwen2.5-coder-0.5b --servers vllm vllm+tokendance serve serve-fast
 
 Needs .venv-vllm (`make vllm`) for the vLLM servers. Prints each round's latency and TTFT per
 server and the ratios; writes benchmarks/results/vllm_plugin-<workload>-<N>.json.
@@ -27,9 +28,11 @@ from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-SERVERS = ("vllm", "vllm+tokendance", "vllm+transparent", "tokendance")
+SERVERS = ("vllm", "vllm+tokendance", "vllm+transparent", "tokendance", "serve", "serve-fast")
 DEFAULT_SERVERS = ("vllm", "vllm+tokendance", "tokendance")
-DECLARING = ("vllm+tokendance", "tokendance")  # servers the bench declares rounds to
+DECLARING = ("vllm+tokendance", "tokendance", "serve", "serve-fast")  # servers the bench declares rounds to
+# `tokendance serve` as a user starts it: its default (exact), and --fidelity fast
+SERVE_FLAGS = {"serve": [], "serve-fast": ["--fidelity", "fast"]}
 
 
 def free_port() -> int:
@@ -40,18 +43,20 @@ def free_port() -> int:
 
 def start(name: str, port: int, args, log) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if name == "tokendance":
-        # collective reuse with masters in agents' contexts, as the plugin plans them (parity)
+    model = getattr(args, "model", None)  # a pack's name; None: the default model
+    if name in ("tokendance", *SERVE_FLAGS):
         command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-                   "--kv-cache-bytes", f"{args.kv_gib}GiB", "--reuse", "tokendance", "--masters", "agent",
-                   "--recompute-ratio", str(args.ratio)]
+                   "--kv-cache-bytes", f"{args.kv_gib}GiB", *(["--model", model] if model else [])]
+        # "tokendance": collective reuse with masters in agents' contexts, as the plugin plans them (parity)
+        command += SERVE_FLAGS[name] if name in SERVE_FLAGS else ["--reuse", "tokendance", "--masters", "agent",
+                                                                  "--recompute-ratio", str(args.ratio)]
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    from tokendance.vllm_plugin.model_folder import default_model_folder
+    from tokendance.vllm_plugin.model_folder import model_folder
 
     env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_NO_USAGE_STATS="1")
-    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_folder()),
-               "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder(model)),
+               "--served-model-name", model or "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                "--max-model-len", "8192", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details"]
     command += getattr(args, "vllm_args", [])
     if name in ("vllm+tokendance", "vllm+transparent"):
@@ -123,18 +128,25 @@ def main() -> int:
     parser.add_argument("--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO,
                         help="recompute ratio of both TokenDance servers (their default selection: EPIC)")
     parser.add_argument("--servers", nargs="+", default=list(DEFAULT_SERVERS), choices=SERVERS,
-                        help="vllm+transparent: the plugin with transparent_rounds, the bench declaring no round")
+                        help="vllm+transparent: the plugin with transparent_rounds, the bench declaring no round; "
+                             "tokendance: collective reuse with agent masters at --ratio (the plugin's plan); serve, "
+                             "serve-fast: `tokendance serve` by its default (exact) and with --fidelity fast")
+    parser.add_argument("--model", default=None,
+                        help="a model pack's name (tokendance models), served by every server (default: the default model)")
     args = parser.parse_args()
     from tokendance.model.platform import probe_cpu
 
     cpu = probe_cpu()
     args.dtype = args.dtype or ("bfloat16" if cpu.native_bf16 else "float32")
-    out = ROOT / "benchmarks" / "results" / f"vllm_plugin-{args.workload}-{args.agents}{'-closed' * (args.loop == 'closed')}.json"
+    model = f"-{args.model}" if args.model else ""
+    out = ROOT / "benchmarks" / "results" / \
+        f"vllm_plugin-{args.workload}-{args.agents}{'-closed' * (args.loop == 'closed')}{model}.json"
     earlier = json.loads(out.read_text())["rounds"] if out.exists() else {}
     fresh = {name: run(name, args) for name in args.servers}
     # servers not run now keep their last measurement (same workload and size), for the table
     results = {name: fresh.get(name) or earlier.get(name) for name in SERVERS if fresh.get(name) or earlier.get(name)}
-    print(f"\n{args.workload} N={args.agents}, {args.dtype}, {args.kv_gib} GiB KV, CPU {cpu.capability}"
+    print(f"\n{args.workload} N={args.agents}, {args.model or 'the default model'}, {args.dtype}, {args.kv_gib} GiB KV, "
+          f"CPU {cpu.capability}"
           f" (measured now: {', '.join(fresh)}; earlier: {', '.join(set(results) - set(fresh)) or 'none'})")
     print(f"{'round':>5}" + "".join(f"{name + ' s':>20}{'TTFT':>7}" for name in results)
           + "".join(f"{'vllm/' + name:>22}" for name in results if name != "vllm"))
@@ -148,7 +160,7 @@ def main() -> int:
             line += f"   transparent/declared {row['vllm+transparent']['round_seconds'] / row['vllm+tokendance']['round_seconds']:.2f}x"
         print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"workload": args.workload, "agents": args.agents, "dtype": args.dtype,
+    out.write_text(json.dumps({"workload": args.workload, "agents": args.agents, "model": args.model, "dtype": args.dtype,
                                "kv_gib": args.kv_gib, "cpu": cpu.capability, "ratio": args.ratio,
                                "rounds": results}, indent=2))
     print(f"results in {out}")

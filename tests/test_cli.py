@@ -59,3 +59,11 @@ def test_serve_is_exact_by_default_and_gathers_rounds_only_where_they_share_kv()
     assert gather_window_ms(parse("--reuse", "tokendance")) == DEFAULT_GATHER_MS
     assert gather_window_ms(parse("--fidelity", "fast")) == DEFAULT_GATHER_MS
     assert gather_window_ms(parse("--fidelity", "exact", "--gather-window-ms", "20")) == 20
+
+
+def test_bench_quality_with_a_target_is_refused_not_run_as_the_latency_bench(capsys):
+    from tokendance.cli import main
+
+    assert main(["bench", "quality", "--target", "http://127.0.0.1:9/v1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: bench quality runs in process") and "--loop closed" in err

@@ -15,13 +15,11 @@ LABEL = re.compile(r"^\s*(?:\w+[\w'.-]*\s+){0,3}\w+[\w'.-]*\s*:")
 
 
 def reply_words(text: str, speaker: str | None = None) -> tuple[str, ...]:
-    """The reply's words, lower-cased, without its speaker's own name: the words of `speaker`
-    when it is known, else a leading label ("Hana: ...")."""
-    if speaker is None:
-        text = LABEL.sub("", text, count=1)
-        dropped: set[str] = set()
-    else:
-        dropped = {w.lower() for w in WORD.findall(speaker)}
+    """The reply's words, lower-cased, without a leading label ("Hana: ...", whoever it names: a
+    copy of another agent's line keeps that agent's label) and, when the speaker is known, without
+    the words of its own name wherever they stand."""
+    text = LABEL.sub("", text, count=1)
+    dropped = set() if speaker is None else {w.lower() for w in WORD.findall(speaker)}
     return tuple(w for w in (x.lower() for x in WORD.findall(text)) if w not in dropped)
 
 

@@ -46,6 +46,11 @@ def test_replies_that_say_the_same_once_the_speakers_name_is_dropped_converge():
     # with the speakers known, their names are dropped wherever they stand
     assert convergence(["As Hana, I'll bake bread.", "As Bo, I'll bake bread."], ["Hana", "Bo"])["identical_pairs"] == 1
     assert convergence(["one reply"], ["Hana"]) == {"identical_pairs": 0.0, "ngram_overlap": 0.0}
+    # two empty replies are not the same reply; a copy that keeps another agent's label is
+    assert convergence(["", "", "I'll bake."], ["Hana", "Bo", "Cy"]) == {"identical_pairs": 0.0, "ngram_overlap": 0.0}
+    copied = convergence(["Hana Novak: I will bake bread.", "I will bake bread."], ["Hana Novak", "Bo Chen"])
+    assert copied["identical_pairs"] == 1
+    assert repeated_replies(["Bo Chen: I will bake bread.", "I will bake bread."]) == 2
 
 
 def test_the_quality_report_counts_over_runs_and_judges_against_full_and_the_floor():
@@ -69,6 +74,20 @@ def test_the_quality_report_counts_over_runs_and_judges_against_full_and_the_flo
     bad = table["bad"]["verdict"]
     assert not bad["convergence_mean"] and not bad["convergence_worst_run"] and bad["loops_drift"]
     assert table["bad"]["worst_run_identical_excess"] == pytest.approx(1.0)
+    # read on the interval's bound: a mean within 5 points whose upper bound passes 10 fails
+    spread = [{"workload": "w", "settings": {"full": figures(0.0, 0.1, 0.4), "floor": figures(0.0, 0.1, 0.4),
+                                              "s": figures(x, 0.1, 0.4)}} for x in (0.0, 0.0, 0.0, 0.18)]
+    wide = summarize(spread, ["s"])["workloads"]["w"]["settings"]["s"]
+    assert wide["identical_pairs_excess"][0] <= 0.05 < 0.10 < wide["identical_pairs_excess"][2]
+    assert not wide["verdict"]["convergence_mean"]
+    # signs over runs: distinct-2 below full's in more runs than the floor's fails, whatever the mean drift
+    signs = [{"workload": "w", "settings": {"full": figures(0.0, 0.1, 0.40, 0.5), "floor": figures(0.0, 0.1, 0.41, 0.5),
+                                             "s": figures(0.0, 0.1, 0.399, 0.4 + 0.01 * (i - 1))}} for i in range(3)]
+    lower = summarize(signs, ["s"])["workloads"]["w"]["settings"]["s"]
+    assert lower["distinct_2_worse_runs"] == 3 and lower["verdict"]["distinct_2_drift"]
+    assert not lower["verdict"]["distinct_2_sign"] and lower["verdict"]["loops_sign"]
+    # accuracy paired run by run: lower in every run fails even where the unpaired intervals overlap
+    assert lower["accuracy_excess"][2] < 0 and not lower["verdict"]["accuracy"]
 
 
 def test_quality_settings_are_presets_modes_or_engine_fields_and_bad_ones_are_refused_by_name():

@@ -16,6 +16,7 @@ import argparse
 from tokendance import registry
 from tokendance.bench.options import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
 from tokendance.cli_types import mebibytes, parse_bytes
+from tokendance.errors import InvalidRequestError
 from tokendance.workloads import WORKLOADS
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +99,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args) -> int:
+    if args.target and args.experiment == "quality":  # it ran the latency bench silently before
+        raise InvalidRequestError("bench quality runs in process (each setting an engine beside full and the floor); "
+                                  "it does not drive a server yet: drop --target, or run `tokendance bench --target "
+                                  "URL --loop closed` for a server's closed loop", "target")
     if args.target and args.experiment != "capacity":
         from tokendance.bench.target import run_target
 

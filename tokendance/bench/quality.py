@@ -53,13 +53,14 @@ def degeneration(texts: Sequence[str]) -> dict:
 
 def convergence(texts: Sequence[str], speakers: Sequence[str], n: int = 3) -> dict:
     """How much a round's agents say the same as each other: over all pairs of replies, the share
-    that are the same text once each speaker's own name is dropped (`identical_pairs`), and the
-    mean Jaccard overlap of their word `n`-grams (`ngram_overlap`, a softer measure)."""
+    that are the same text once a leading label and each speaker's own name are dropped
+    (`identical_pairs`; two empty replies are never the same), and the mean Jaccard overlap of
+    their word `n`-grams (`ngram_overlap`, a softer measure; 0 for an empty reply)."""
     words = [reply_words(t, s) for t, s in zip(texts, speakers)]
-    grams = [set(ngrams(list(w), n)) or {w} for w in words]
+    grams = [set(ngrams(list(w), n)) or ({w} if w else set()) for w in words]
     pairs = [(i, j) for i in range(len(words)) for j in range(i + 1, len(words))]
     if not pairs:
         return {"identical_pairs": 0.0, "ngram_overlap": 0.0}
-    same = sum(words[i] == words[j] for i, j in pairs)
+    same = sum(bool(words[i]) and words[i] == words[j] for i, j in pairs)
     overlap = sum(len(grams[i] & grams[j]) / max(1, len(grams[i] | grams[j])) for i, j in pairs)
     return {"identical_pairs": same / len(pairs), "ngram_overlap": overlap / len(pairs)}

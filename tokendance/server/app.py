@@ -111,9 +111,10 @@ class Api:
                             else TOOL_FORMATS[config.tool_call_format])
         # A hermes template that renders tools and calls itself (Qwen's) gets them as transformers
         # and vLLM pass them: the prompt the model was trained on, the same through both doors.
-        self.calls_in_template = llm.tokenizer.knows_tools and self.tool_format.name == "hermes"
-        self.marker_tokens = {text: token for text in (Hermes.OPEN, Hermes.CLOSE)
-                              if (token := llm.tokenizer.token_to_id(text)) is not None}
+        tokenizer = llm.tokenizer  # None where the app is built without a model (its OpenAPI schema)
+        self.calls_in_template = tokenizer is not None and tokenizer.knows_tools and self.tool_format.name == "hermes"
+        self.marker_tokens = {} if tokenizer is None else {
+            text: token for text in (Hermes.OPEN, Hermes.CLOSE) if (token := tokenizer.token_to_id(text)) is not None}
 
     # ------------------------------------------------------------ plain routes
 
