@@ -19,7 +19,6 @@ from tokendance import (
 from tokendance.engine.rounds import RoundAborted
 from tokendance.kv.manager import RecallKey, SessionKey
 from tokendance.reuse.fidelity import compare
-from tokendance.reuse.segments import tokenize_round
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, return_logits=1)
 
@@ -96,6 +95,8 @@ def test_diff_blocks_are_the_selected_tokens_footprint(make_llm, selection):
 
 
 def _shared_spans(llm, agent_id):
+    from tokendance.reuse.segments import tokenize_round
+
     tokenized = tokenize_round(llm.tokenizer, round_turns(1))
     return next(t for t in tokenized if t.agent_id == agent_id).shared_spans
 
@@ -156,37 +157,6 @@ def test_sessions_recall_segments_that_moved(make_llm, ratio):
         for ours, ref in zip(second.outputs, expected.outputs):
             assert (ours.logits[0] - ref.logits[0]).abs().max().item() < LOGIT_ATOL
     assert not any(isinstance(table, RecallKey) for table in llm.engine.kv.tables)  # released after the prefill
-
-
-def test_an_agent_reads_its_own_kv_of_a_line_it_held_before_not_the_rounds_master(make_llm):
-    """A shared line an agent's previous prompt held is reused from its own KV (computed in its
-    own context, recalled), not from the round's master: the two agents that never held it share
-    the master's slots, the third reads none of them; the neutral master is computed for the
-    two (a line every holder recalls would get none)."""
-    shared = "- Everyone heard the old bell ring at noon, twice, and nobody knows why."
-
-    def turn(agent: str, lines: list[str], day: int) -> AgentTurn:
-        return AgentTurn(agent, [{"role": "system", "content": persona(agent, 12)},
-                                 {"role": "user", "content": "Memories:\n" + "\n".join(lines)},
-                                 {"role": "user", "content": f"Day {day}: what do you do?"}])
-
-    ada, bo, cy = AGENTS[:3]
-    llm = make_llm(dtype="float32", reuse="tokendance", recompute_ratio=0.2)
-    llm.run_round([turn(ada, [f"- {ada} baked bread.", shared], 0), turn(bo, [f"- {bo} fished."], 0)], PARAMS)
-    second = [turn(ada, [f"- {ada} swept the floor.", f"- {ada} baked bread.", shared], 1),
-              turn(bo, [f"- {bo} mended a net.", shared], 1), turn(cy, [f"- {cy} sang.", shared], 1)]
-    llm.run_round(second, PARAMS)
-    kv = llm.engine.kv
-    tokenized = {t.agent_id: t for t in tokenize_round(llm.tokenizer, second)}
-
-    def line_slots(agent: str) -> set[int]:
-        ids = tokenized[agent].token_ids
-        (span,) = [s for s in tokenized[agent].shared_spans if "bell" in llm.tokenizer.decode(ids[s.start:s.end])]
-        return set(kv.get_slots(SessionKey(agent))[span.start:span.end])
-
-    mastered = line_slots(bo) & line_slots(cy)
-    assert len(mastered) >= 0.7 * len(line_slots(bo))  # the master's slots, but for the recomputed 20%
-    assert not line_slots(ada) & (line_slots(bo) | line_slots(cy))  # her own KV, copied into her table
 
 
 def test_ending_or_evicting_an_agent_leaves_the_others_unchanged(make_llm):

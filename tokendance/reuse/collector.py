@@ -130,9 +130,9 @@ class KVCollector(ReusePolicy):
         computed_by: dict[bytes, AgentPrefill] = {}
         for agent in others:
             for index in agent.reused_spans:
-                span = agent.turn.spans[index]
-                if span.key is not None and span.key not in rk.masters and span.content not in agent.recall:
-                    computed_by.setdefault(span.key, agent)  # an agent that holds its own KV of it reuses that
+                key = agent.turn.spans[index].key
+                if key is not None and key not in rk.masters:
+                    computed_by.setdefault(key, agent)
             agent.reused_spans = [i for i in agent.reused_spans if computed_by.get(agent.turn.spans[i].key) is not agent]
         report.lookup_seconds = time.perf_counter() - started
 
@@ -173,7 +173,7 @@ class KVCollector(ReusePolicy):
         for agent, checked in zip(probes, fresh):
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
-                if span.content not in agent.recall and span.key not in rk.masters:  # its first holder has not computed it yet
+                if span.key is not None and span.key not in rk.masters:  # its first holder has not computed it yet
                     agent.selected[index] = selector.select(span.end - span.start, None)
                     continue
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
@@ -194,9 +194,9 @@ class KVCollector(ReusePolicy):
 
     def _build_table(self, agent: AgentPrefill) -> None:
         """Mirror: master slots in place for reused tokens of shared spans, private slots for
-        everything else. Recalled spans (the agent's own, from its previous prompt, computed in
-        its own context: taken before a master) are copied into private slots, position-corrected:
-        the old blocks they sat in can then be freed, and the agent's private KV stays packed."""
+        everything else. Recalled spans (the agent's own, from its previous prompt) are copied
+        into private slots, position-corrected: the old blocks they sat in can then be freed,
+        and the agent's private KV stays packed."""
         rk = self.round_kv
         reused = {agent.turn.spans[i].start: i for i in agent.reused_spans}
         copies: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -210,7 +210,7 @@ class KVCollector(ReusePolicy):
                 continue
             span = agent.turn.spans[index]
             source = rk.source_slots(agent, index)
-            if span.content in agent.recall:  # its own KV, recalled
+            if span.key not in rk.masters:  # recalled
                 copies[0].extend(source)
                 copies[1].extend(rk.private_slots(agent.table_id, len(source)))
                 copies[2].extend(range(span.start, span.end))

@@ -221,8 +221,8 @@ class RoundKV:
                 self.masters[span.key] = slots
 
     def neutral_masters(self, agents: list["AgentPrefill"]) -> Generator[Work, None, int]:
-        """Masters in no agent's context: every shared span that two or more of the agents reuse
-        and hold no KV of their own for, computed once in a row of its own ([span][span]..., in the
+        """Masters in no agent's context: every shared span that two or more of the agents reuse,
+        computed once in a row of its own ([span][span]..., in the
         order they first appear), so that no agent's private text (a persona, memories) colours
         the KV every other agent reads. Returns the tokens computed.
 
@@ -236,8 +236,8 @@ class RoundKV:
         for agent in agents:
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
-                if span.key is not None and span.key not in self.masters and span.content not in agent.recall:
-                    holders[span.key] = holders.get(span.key, 0) + 1  # an agent that recalls it reads its own
+                if span.key is not None and span.key not in self.masters:
+                    holders[span.key] = holders.get(span.key, 0) + 1
                     pieces.setdefault(span.key, agent.token_ids[span.start:span.end])
         keys = [key for key in pieces if holders[key] > 1]
         if not keys:
@@ -272,12 +272,13 @@ class RoundKV:
             self.masters[key] = slots
 
     def source_slots(self, agent: "AgentPrefill", index: int) -> list[int]:
-        """Base KV of a reused span: the agent's own (recalled from its previous prompt, computed
-        in its own context) where it has it, else the round's master."""
+        """Base KV of a reused span: the round's master if shared, else the agent's recall. (The
+        agent's own recalled KV first, before the master, was measured no better in the closed
+        loop and kept less shared: docs/benchmarks.md#what-agents-say-in-the-closed-loop.)"""
         span = agent.turn.spans[index]
-        if span.content in agent.recall:
-            return agent.recall[span.content]
-        return self.master_slots(span.key)
+        if span.key in self.masters:
+            return self.master_slots(span.key)
+        return agent.recall[span.content]
 
     # ------------------------------------------------------------ forward passes (generators)
 
