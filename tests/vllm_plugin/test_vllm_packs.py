@@ -34,7 +34,7 @@ def folder():
 
 
 def test_a_round_at_ratio_one_is_exact_and_moved_keys_equal_vllms(folder, tmp_path):
-    result = run_round(folder, tmp_path / "round.json", {}, sampling={"max_tokens": 12})
+    result = run_round(folder, tmp_path / "round.json", {}, sampling={"max_tokens": 12}, env={"TOKENDANCE_LAYER0": "1"})
     reused, exact = result["reused"], result["exact"]
     assert sorted(a["role"] for a in reused.values()) == ["master", "mirror", "mirror", "mirror"]
     assert all(a["claimed"] > 0 for a in reused.values() if a["role"] == "mirror")
