@@ -222,9 +222,9 @@ class RoundKV:
 
     def neutral_masters(self, agents: list["AgentPrefill"]) -> Generator[Work, None, int]:
         """Masters in no agent's context: every shared span that two or more of the agents reuse,
-        computed once in a row of its own ([span][span]..., in the
-        order they first appear), so that no agent's private text (a persona, memories) colours
-        the KV every other agent reads. Returns the tokens computed.
+        computed once in a row of its own ([span][span]..., in the order they first appear), so
+        that no agent's private text (a persona, memories) colours the KV every other agent reads.
+        Returns the tokens computed.
 
         The spans read each other in the row, as they read each other in the agents' prompts (the
         round's outputs follow one another there): on the 135M model's shuffled village round,

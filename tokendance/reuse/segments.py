@@ -126,8 +126,12 @@ def _message_pieces(tokenizer: ChatTokenizer, messages: Sequence[dict], full: st
         if role not in trailers:
             trailers[role] = _trailer(tokenizer, message)
         trailer = trailers[role]
-        end = -1 if trailer is None else between[i + 1].find(trailer) if tools else \
-            (0 if between[i + 1].startswith(trailer) else -1)
+        if trailer is None:
+            return None
+        if tools:  # the template may write the tools between this content and its trailer
+            end = between[i + 1].find(trailer)
+        else:
+            end = 0 if between[i + 1].startswith(trailer) else -1
         if end < 0:
             return None
         end += len(trailer)
