@@ -85,7 +85,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from tokendance.model.platform import probe_cpu
-    from tokendance.reuse.planning import common_prefix
+    from tokendance.round_core.spans import common_prefix
     from tokendance.vllm_plugin.model_folder import default_model_folder
     from tokendance.workloads import make_workload
 

@@ -16,26 +16,17 @@ import math
 
 from tokendance.model.loader import load_tokenizer
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
-from tokendance.reuse.planning import common_prefix
+from tokendance.round_core.spans import common_prefix
 from tokendance.vllm_plugin.round_book import RoundBook
 from tokendance.vllm_plugin.rounds import RoundTag
 from tokendance.workloads import make_workload
-
-
-def boundaries(tokenizer) -> frozenset[int]:
-    """As the connector cuts prompts (handoff.boundary_token_ids): ids holding a line break and
-    the special tokens."""
-    vocab = tokenizer._tokenizer.get_vocab(with_added_tokens=True)
-    ids = {i for i in vocab.values() if "\n" in tokenizer.decode([i], skip_special_tokens=False)}
-    special = {tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
-    return frozenset(ids | {i for i in special if i is not None})
 
 
 def run(workload_name: str, num_agents: int, rounds: int, block_size: int, seed: int, ratio: float) -> list[dict]:
     tokenizer = load_tokenizer()
     workload = make_workload(workload_name, num_agents, seed=seed)
     pool: dict[tuple, int] = {}  # block hash -> block id: every full block computed so far
-    book = RoundBook(boundaries(tokenizer), round_timeout_s=1e9, hold_timeout_s=1e9, block_size=block_size,
+    book = RoundBook(tokenizer.boundaries, round_timeout_s=1e9, hold_timeout_s=1e9, block_size=block_size,
                      lookup=pool.get)
     cache: dict[str, list[int]] = {}  # agent -> its previous request's tokens, as vLLM caches them
     rows = []

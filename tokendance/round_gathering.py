@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokendance.errors import InvalidRequestError
-from tokendance.reuse.planning import common_prefix
+from tokendance.round_core.spans import common_prefix
 
 
 class RoundConflictError(InvalidRequestError):

@@ -10,10 +10,9 @@ from tokendance.engine.request import Request, RequestStatus
 from tokendance.engine.scheduler import Scheduler
 from tokendance.errors import CapacityError
 from tokendance.kv.manager import KVCacheManager, RecallKey, SessionKey
-from tokendance.reuse.collector import _choose_masters
-from tokendance.reuse.round_kv import AgentPrefill
-from tokendance.reuse.segments import PromptSpan, TokenizedTurn
 from tokendance.reuse.selection import make_selector
+from tokendance.round_core import planning
+from tokendance.round_core.spans import Span
 from tokendance.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -187,24 +186,18 @@ def test_kept_tables_are_evicted_least_recently_kept_first_and_pinned_never():
     assert kv.has("agent-request") and not kv.find_kept(SessionKey)
 
 
-def span(key: str, start: int, length: int) -> PromptSpan:
-    return PromptSpan(start, start + length, key.encode(), key.encode())
-
-
-def agent(name: str, spans: list[PromptSpan]) -> AgentPrefill:
-    turn = TokenizedTurn(name, "", list(range(200)), spans)
-    prefill = AgentPrefill(name, turn, 0)
-    prefill.reused_spans = list(range(len(spans)))
-    return prefill
+def span(key: str, start: int, length: int) -> Span:
+    return Span(start, start + length, key.encode(), key.encode())
 
 
 def test_masters_cover_widely_shared_spans_and_skip_chance_overlaps():
-    a = agent("a", [span("x", 10, 40), span("y", 60, 40)])
-    b = agent("b", [span("y", 10, 40), span("x", 60, 40)])
-    c = agent("c", [span("x", 5, 40), span("y", 50, 40), span("rare", 100, 10)])
-    d = agent("d", [span("rare", 20, 10)])
-    masters = _choose_masters([a, b, c, d])
-    assert masters == [c]  # holds every span; "rare" (2 holders) is not worth a second master
+    a = [span("x", 10, 40), span("y", 60, 40)]
+    b = [span("y", 10, 40), span("x", 60, 40)]
+    c = [span("x", 5, 40), span("y", 50, 40), span("rare", 100, 10)]
+    d = [span("rare", 20, 10)]
+    masters = planning.choose_round_masters([a, b, c, d])
+    assert masters.members == [2]  # holds every span; "rare" (2 holders) is not worth a second master
+    assert masters.where[b"x"] == [(2, 5)] and b"rare" in masters.where
 
 
 def test_selectors_pick_their_tokens():

@@ -2,26 +2,31 @@
 
 import pytest
 
+from tokendance.round_core.spans import Boundaries, cut_spans
 from tokendance.vllm_plugin.round_book import RoundBook
-from tokendance.vllm_plugin.round_planning import cut_pieces
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
 
 NL = 0  # the boundary token of these prompts
+CUT = Boundaries(frozenset({NL}))
+
+
+GEN = 99  # the generation prompt: what a chat template puts after the last message
 
 
 def prompt(private: list[int], shared: list[list[int]], task: list[int]) -> list[int]:
-    """private text, the shared outputs (each a line), then the agent's task."""
+    """private text, the shared outputs (each a line), the agent's task (the message it answers,
+    never reused), then the generation prompt."""
     ids = [*private, NL]
     for line in shared:
         ids += [*line, NL]
-    return ids + task
+    return ids + task + [NL, GEN]
 
 
 OUTPUTS = [[10 + i * 7 + j for j in range(6)] for i in range(3)]  # three agents' outputs, 6 tokens each
 
 
 def book(timeout: float = 1.0, hold: float = 30.0) -> RoundBook:
-    return RoundBook({NL}, round_timeout_s=timeout, hold_timeout_s=hold)
+    return RoundBook(CUT, round_timeout_s=timeout, hold_timeout_s=hold)
 
 
 def tag(agent: str, size: int | None = 3, round_id: str = "r1") -> RoundTag:
@@ -37,14 +42,18 @@ def planned(b: RoundBook) -> tuple[dict, str, list[str]]:
     return prompts, master, [a for a in prompts if b.find(a).role == "mirror"]
 
 
-def test_pieces_end_after_boundaries_and_at_the_end():
-    pieces = cut_pieces([5, NL, 6, 7, NL, 8], {NL}, "", 6)
+def test_pieces_end_after_line_breaks_and_headers_keep_their_first_line():
+    pieces = cut_spans([5, NL, 6, 7, NL, 8], CUT, "")
     assert [(p.start, p.end) for p in pieces] == [(0, 2), (2, 5), (5, 6)]
-    assert cut_pieces([6, 7, NL], {NL}, "a", 3)[0].key != cut_pieces([6, 7, NL], {NL}, "b", 3)[0].key  # namespaced
-    # runs shorter than min_tokens that end at a boundary (a chat template's framing) join the piece
-    # before them; the last piece (the prompt's tail) stays as it is
-    ids = [5, 6, 7, 8, NL, NL, 9, NL, 1, 2, 3, 4, NL, 6]
-    assert [(p.start, p.end) for p in cut_pieces(ids, {NL}, "", 14, min_tokens=4)] == [(0, 8), (8, 13), (13, 14)]
+    assert cut_spans([6, 7, NL], CUT, "a")[0].key != cut_spans([6, 7, NL], CUT, "b")[0].key  # namespaced
+    # ChatML (`S` opens a message, `E` ends it): a header goes with the message's first line, the
+    # trailer with its last, as the engine cuts chat messages into segments
+    S, E, NL2 = 1, 2, 3
+    chatml = Boundaries(frozenset({NL, NL2}), frozenset({S, E}))
+    ids = [S, 7, NL, 8, NL, 9, E, NL, S, 6, NL2, 5, E, NL, S, 4, NL]
+    assert [(p.start, p.end) for p in cut_spans(ids, chatml, "")] == [(0, 5), (5, 8), (8, 14), (14, 17)]
+    # a trailer with no line break (Llama 3's `<|eot_id|>`) ends its span before the next header
+    assert [(p.start, p.end) for p in cut_spans([S, 7, NL, 8, E, S, 6, NL, 5], chatml, "")] == [(0, 5), (5, 9)]
 
 
 def test_tag_parsing_refuses_malformed_params():
@@ -71,7 +80,7 @@ def test_a_round_plans_one_master_and_mirrors_claim_up_to_their_last_shared_piec
     assert b.claim(mirror, 0, now=0.1) is None  # until the master's KV exists
     b.mark_ready(master, [7, 8])
     ids = prompts[mirror]
-    shared_end = len(ids) - 2  # the task's two tokens stay with vLLM
+    shared_end = len(ids) - 4  # the task's two tokens, its line break and the generation prompt stay with vLLM
     assert b.claim(mirror, 0, now=0.2) == shared_end
     spans = b.loads_for(b.find(mirror))
     assert len(spans) == 1  # the three output lines follow each other in both prompts: one span
@@ -84,7 +93,7 @@ def test_a_round_plans_one_master_and_mirrors_claim_up_to_their_last_shared_piec
 def test_in_round_anchors_plan_several_masters_and_mirrors_read_all_their_encodings(from_tag):
     """With 2 anchors (the book's setting, or the first member's tag), a round of four plans two
     masters; a mirror waits for both, and each of its spans names both encodings of its tokens."""
-    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, anchors=1 if from_tag else 2)
+    b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, anchors=1 if from_tag else 2)
     prompts = {f"a{i}": prompt([100 + i] * (3 + i), OUTPUTS, [200 + i]) for i in range(4)}
     for agent, ids in prompts.items():
         b.add(agent, RoundTag("r1", agent, 4, anchors=2 if from_tag else None), ids, now=0.0)
@@ -94,7 +103,7 @@ def test_in_round_anchors_plan_several_masters_and_mirrors_read_all_their_encodi
     b.mark_ready(masters[0], [1, 2])
     assert b.claim(mirrors[0], 0, now=0.1) is None  # the second anchor is not computed yet
     b.mark_ready(masters[1], [3, 4])
-    assert b.claim(mirrors[0], 0, now=0.1) == len(prompts[mirrors[0]]) - 1
+    assert b.claim(mirrors[0], 0, now=0.1) == len(prompts[mirrors[0]]) - 3  # not the task (answered)
     spans = b.loads_for(b.find(mirrors[0]))
     assert len(spans) == 1 and {tuple(blocks) for blocks, _ in spans[0].sources} == {(1, 2), (3, 4)}
     span, ids = spans[0], prompts[mirrors[0]]
@@ -126,7 +135,7 @@ def test_claims_skip_what_vllms_prefix_cache_holds():
     prompts, master, (mirror, _) = planned(b)
     b.mark_ready(master, [1])
     first_line_end = 5 + 7
-    assert b.claim(mirror, first_line_end, now=0.0) == len(prompts[mirror]) - 1 - first_line_end
+    assert b.claim(mirror, first_line_end, now=0.0) == len(prompts[mirror]) - 3 - first_line_end
     assert b.claim(mirror, len(prompts[mirror]) - 1, now=0.0) == 0  # all cached: nothing to claim
     assert b.find(mirror).role == "exact"
 
@@ -212,7 +221,7 @@ def test_a_mirror_resumed_after_preemption_is_computed_exactly():
 
 
 def test_a_step_admits_claims_up_to_its_budget_and_the_rest_in_later_steps():
-    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
+    b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
     prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(4)}
     for agent, ids in prompts.items():
         b.add(agent, tag(agent, size=4), ids, now=0.0)
@@ -235,7 +244,7 @@ def test_a_step_admits_claims_up_to_its_budget_and_the_rest_in_later_steps():
 def test_a_claim_spends_nothing_until_vllm_commits_it():
     """vLLM may ask twice (an allocation that failed is retried): the same answer, and the step's
     budget is spent only by `commit`; a commit of another count leaves the member exact."""
-    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
+    b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=30)
     prompts = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(4)}
     for agent, ids in prompts.items():
         b.add(agent, tag(agent, size=4), ids, now=0.0)
@@ -279,9 +288,10 @@ def test_round_tokens_are_counted_by_who_computes_them_and_why():
     assert counters["rounds_complete"] == 1 and counters["members.master"] == 1 and counters["members.mirror"] == 2
     length = len(prompts["a0"])
     assert counters["computed_tokens.master"] == length
-    # each mirror: system (5) and the three lines (21) reused; its task (2) private
+    # each mirror: system (5) and the three lines (21) reused; its task (2, and its line break) and
+    # the generation prompt private
     assert counters["claimed_tokens"] == 2 * 26
-    assert counters["computed_tokens.private"] == 2 * 2
+    assert counters["computed_tokens.private"] == 2 * 4
     assert counters["reused_exact_tokens"] == 2 * 5  # the system piece: identical, at the same positions
     computed = sum(v for k, v in counters.items() if k.startswith("computed_tokens."))
     assert computed + counters["claimed_tokens"] == 3 * length
@@ -335,7 +345,7 @@ class Pool:
 def salted_first_round(pool: Pool, store=None) -> tuple[RoundBook, dict, dict]:
     """A book over `pool` (8-token blocks) and its first round of three agents, each under its own
     salt (its id), finished: (book, their prompts, what each said)."""
-    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=8, lookup=pool.blocks.get, store=store)
+    b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=8, lookup=pool.blocks.get, store=store)
     first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
     run_round(b, first, salts={agent: agent for agent in first})
     said = {agent: [300 + i, 301, 302] for i, agent in enumerate(first)}
@@ -386,7 +396,7 @@ def test_a_mirror_recalls_its_own_pieces_that_moved_from_cached_blocks():
     """An agent's round-1 private line, two tokens later in its round-2 prompt: re-rotated from
     the block that still holds it (a recalled span, checked like a master's piece), not computed."""
     pool = Pool(block_size=4)
-    b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=4, lookup=pool.blocks.get)
+    b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, block_size=4, lookup=pool.blocks.get)
     first = {f"a{i}": prompt([100 + i] * 4, OUTPUTS, [200 + i]) for i in range(3)}
     run_round(b, first)
     for agent, ids in first.items():
@@ -412,7 +422,7 @@ def test_a_piece_is_read_from_its_first_holder_in_a_later_step_only_once_its_pas
     prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
                "a2": prompt([3], common + pair_b, [9]), "a3": prompt([4], common + pair_b, [9])}
     for failed in (False, True):
-        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
+        b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
         for agent, ids in prompts.items():
             b.add(agent, tag(agent, size=4), ids, now=0.0)
         master = next(a for a in prompts if b.find(a).role == "master")
@@ -442,7 +452,7 @@ def test_first_holders_pin_their_pieces_only_while_the_pins_leave_room_in_the_po
     prompts = {"a0": prompt([1], common + pair_a, [9]), "a1": prompt([2], common + pair_a, [9]),
                "a2": prompt([3], common + pair_b, [9]), "a3": prompt([4], common + pair_b, [9])}
     for pool_blocks in (4, 100):
-        b = RoundBook({NL}, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
+        b = RoundBook(CUT, round_timeout_s=1.0, hold_timeout_s=30.0, claim_tokens_per_step=1)
         b.pool_blocks = pool_blocks
         for agent, ids in prompts.items():
             b.add(agent, tag(agent, size=4), ids, now=0.0)

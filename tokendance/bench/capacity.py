@@ -34,7 +34,7 @@ from tokendance.errors import CapacityError
 from tokendance.llm import LLM
 from tokendance.model.loader import load_model
 from tokendance.model.platform import describe_machine, dtype_name
-from tokendance.reuse.planning import common_prefix
+from tokendance.round_core.spans import common_prefix
 from tokendance.workloads import make_workload
 
 def find_max_agents(fits: Callable[[int], bool], low: int = 1, high: int = 64) -> tuple[int, dict[int, bool]]:

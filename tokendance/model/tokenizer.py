@@ -12,6 +12,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from tokendance.errors import ModelLoadError
+from tokendance.round_core.spans import Boundaries
 
 GGUF_CONTROL_TOKEN = 3  # llama.cpp token type of special (control) tokens
 GGUF_USER_DEFINED_TOKEN = 4  # added tokens that are text, e.g. Qwen's <tool_call>: matched whole, kept in decoding
@@ -74,6 +75,14 @@ class ChatTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    @functools.cached_property
+    def boundaries(self) -> Boundaries:
+        """The ids that cut a prompt into spans from its ids alone (`round_core.spans.cut_spans`, as
+        the vLLM plugin cuts them): those holding a line break, and the special tokens."""
+        line_breaks = frozenset(i for i in range(self.vocab_size) if "\n" in self.decode([i], skip_special_tokens=False))
+        added = self._tokenizer.get_added_tokens_decoder()
+        return Boundaries(line_breaks, frozenset(i for i, token in added.items() if token.special))
 
     @functools.cached_property
     def knows_tools(self) -> bool:

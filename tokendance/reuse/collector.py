@@ -27,10 +27,11 @@ from tokendance.reuse.round_kv import (
     count_reuse,
     private_positions,
 )
-from tokendance.reuse.planning import choose_anchors, common_prefix, first_holders
 from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.cost import account
 from tokendance.reuse.segments import TokenizedTurn
+from tokendance.round_core import planning
+from tokendance.round_core.spans import common_prefix
 
 
 class KVCollector(ReusePolicy):
@@ -94,16 +95,15 @@ class KVCollector(ReusePolicy):
         longest outputs to write first, so the round's last output comes early."""
         rk, report = self.round_kv, PrefillReport()
         started = time.perf_counter()
-        for agent in agents:
-            _plan_reuse(agent)
         # Masters. Neutral (the default): every shared span computed once, in a row of its own, so
         # that no agent's private text reaches the KV the others read (docs/concepts.md#where-
         # masters-are-computed: closed-loop quality measured no different from agent masters').
         # Agent: a few agents whose prompts hold every distinct span (greedy cover) compute them in
         # full; their in-context KV of each span is the base every other agent reuses.
-        neutral = (yield from rk.neutral_masters(agents)) if self.neutral else 0
+        round_masters = plan_masters(agents, self.anchors, self.neutral)
+        neutral = (yield from rk.neutral_masters(agents, round_masters)) if self.neutral else 0
         report.computed_tokens += neutral
-        masters = [] if self.neutral else _choose_masters(agents, self.anchors)
+        masters = [agents[i] for i in round_masters.members]
         for agent in masters:  # they compute their shared spans, and still recall their own
             agent.reused_spans = [i for i in agent.reused_spans if agent.turn.spans[i].key is None]
             for index in agent.reused_spans:
@@ -116,24 +116,18 @@ class KVCollector(ReusePolicy):
             if agent.from_prefix_cache:
                 rk.offer_exact_prefix(agent)
         if self.anchors > 1:  # in-round anchors: each span's base is the mean of its encodings
-            rk.blend_masters(masters)
+            rk.blend_masters(agents, round_masters)
         # The others' prefixes the masters computed (a system prompt, at the same positions) are
         # prefix-cache hits now: exact, neither checked nor recomputed.
-        others = [a for a in agents if all(a is not m for m in masters)]
-        for agent in others:
-            rk.extend_cached(agent)
-            _plan_reuse(agent)
+        others = [i for i, a in enumerate(agents) if all(a is not m for m in masters)]
+        for index in others:
+            rk.extend_cached(agents[index])
+            _plan_reuse(agents[index])  # the rules again, over the grown prefix
         # The others in the order they are computed: those with the longest outputs to write
-        # first, so the round's last output comes early. A shared span no master holds is computed
-        # by its first holder in this order, in its own context, and reused by the later ones.
-        others.sort(key=lambda a: (-a.max_output_tokens, len(private_positions(a))))
-        computed_by: dict[bytes, AgentPrefill] = {}
-        for agent in others:
-            for index in agent.reused_spans:
-                key = agent.turn.spans[index].key
-                if key is not None and key not in rk.masters:
-                    computed_by.setdefault(key, agent)
-            agent.reused_spans = [i for i in agent.reused_spans if computed_by.get(agent.turn.spans[i].key) is not agent]
+        # first, so the round's last output comes early.
+        others.sort(key=lambda i: (-agents[i].max_output_tokens, len(private_positions(agents[i]))))
+        plan_sources(agents, others, round_masters)
+        others = [agents[i] for i in others]
         report.lookup_seconds = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -229,37 +223,39 @@ class KVCollector(ReusePolicy):
             agent.recall_table, agent.recall = None, {}
 
 
+def plan_masters(agents: list[AgentPrefill], anchors: int = 1, neutral: bool = False) -> planning.Masters:
+    """Each agent's reused spans by the round core's rules (`planning.reusable_spans`: never the
+    message it answers; an agent without a session keeps its prefix exact where that is cheap),
+    and the round's masters (`planning.choose_round_masters`)."""
+    for agent in agents:
+        _plan_reuse(agent)
+    held = [[a.turn.spans[i] for i in a.spans_to_reuse()] for a in agents]
+    return planning.choose_round_masters(_reused(agents), held, anchors, neutral)
+
+
+def plan_sources(agents: list[AgentPrefill], order: list[int], masters: planning.Masters) -> list[planning.MemberPlan]:
+    """The reused spans of the agents in `order` (the order their passes run), by source
+    (`planning.assign_sources`): a shared span no master holds is computed by its first holder in
+    this order, in its own context, and reused by the later ones."""
+    plans = planning.assign_sources(_reused(agents), order, masters)
+    for index in order:
+        agent, plan = agents[index], plans[index]
+        agent.reused_spans = [i for i in agent.reused_spans
+                              if agent.turn.spans[i].key is None or agent.turn.spans[i].start in plan.reused]
+    return plans
+
+
 def _plan_reuse(agent: AgentPrefill) -> None:
-    """The spans the agent reuses. The message it answers (its prompt's last before the reply)
-    is computed in its own context even where others hold it too ("Revise your answer."): it is
-    short, and it is what the reply reads first (read as another context made it, it moved the
-    first token's KL 0.13 where the agent's own memories were recalled: tests/reuse/test_rounds.py).
-    An agent without a session keeps its prefix exact where that is cheap, so that the prefix
-    cache serves it next time (its next prompt, when it keeps no session, starts the same): a
-    reused span shorter than the private text after it (a shared heading before an agent's own
-    profile) is computed, since every token after a reused span is no longer exact."""
-    spans = agent.turn.spans
-    last = max((i for i, s in enumerate(spans) if s.end <= agent.num_prepared), default=None)
-    reused = [i for i in agent.spans_to_reuse() if i != last]
-    if agent.from_prefix_cache:
-        while reused:
-            span = spans[reused[0]]
-            after = spans[reused[1]].start if len(reused) > 1 else agent.num_prepared
-            if after - span.end <= span.end - span.start:
-                break
-            reused = reused[1:]
-    agent.reused_spans = reused
+    agent.reused_spans = planning.reusable_spans(agent.turn.spans, agent.spans_to_reuse(), agent.num_prepared,
+                                                 agent.from_prefix_cache)
 
 
 def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
     """A small set of agents whose reused spans cover every distinct shared span."""
     keys = [{agent.turn.spans[i].key for i in agent.reused_spans} - {None} for agent in agents]
-    return [agents[i] for i in first_holders(keys)]
+    return [agents[i] for i in planning.first_holders(keys)]
 
 
-def _choose_masters(agents: list[AgentPrefill], anchors: int = 1) -> list[AgentPrefill]:
-    """Agents that compute their prompts in full so that their shared spans become masters, each
-    span in up to `anchors` contexts (`reuse/planning.py`: choose_anchors)."""
-    spans_of = [{agent.turn.spans[i].key: agent.turn.spans[i].end - agent.turn.spans[i].start
-                 for i in agent.reused_spans if agent.turn.spans[i].key is not None} for agent in agents]
-    return [agents[i] for i in choose_anchors(spans_of, anchors)]
+def _reused(agents: list[AgentPrefill]) -> list[list]:
+    """Each agent's reused spans, for the round core's planning."""
+    return [[agent.turn.spans[i] for i in agent.reused_spans] for agent in agents]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokendance.outputs import RequestOutput
-from tokendance.reuse.planning import common_prefix
+from tokendance.round_core.spans import common_prefix
 
 
 NEAR_TIE_NATS = 2.0  # a divergence where the reference's top two choices are closer is a near tie

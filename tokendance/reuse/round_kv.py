@@ -26,8 +26,10 @@ from tokendance.errors import CapacityError
 from tokendance.kv.manager import KVCacheManager, MasterKey, PrefixHit, RecallKey, ScratchKey
 from tokendance.model.kv_math import key_deviation
 from tokendance.model.runner import ModelRunner
-from tokendance.reuse.segments import PromptSpan, TokenizedTurn
+from tokendance.reuse.segments import TokenizedTurn
 from tokendance.reuse.selection import Selector
+from tokendance.round_core.planning import Masters
+from tokendance.round_core.spans import Span
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Session:
 
     token_ids: list[int]
     last_round: int
-    spans: list[PromptSpan] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
 
 
 @dataclass
@@ -220,51 +222,43 @@ class RoundKV:
                 self.kv.append_shared_slots(MasterKey(), slots)
                 self.masters[span.key] = slots
 
-    def neutral_masters(self, agents: list["AgentPrefill"]) -> Generator[Work, None, int]:
-        """Masters in no agent's context: every shared span that two or more of the agents reuse,
-        computed once in a row of its own ([span][span]..., in the order they first appear), so
-        that no agent's private text (a persona, memories) colours the KV every other agent reads.
-        Returns the tokens computed.
+    def neutral_masters(self, agents: list["AgentPrefill"], masters: Masters) -> Generator[Work, None, int]:
+        """The round's neutral row (`masters.neutral`: every shared span that two or more of the
+        agents reuse), computed once in a row of its own ([span][span]..., in the order they first
+        appear), so that no agent's private text (a persona, memories) colours the KV every other
+        agent reads. Returns the tokens computed.
 
         The spans read each other in the row, as they read each other in the agents' prompts (the
         round's outputs follow one another there): on the 135M model's shuffled village round,
         computing each span in a row of its own after the prompts' first token ([sink][span])
         raised the first token's mean KL to full prefill from 0.049 to 0.50, and one row after
         that sink token read 0.057; so the row stays as it is."""
-        holders: dict[bytes, int] = {}
-        pieces: dict[bytes, list[int]] = {}
-        for agent in agents:
-            for index in agent.reused_spans:
-                span = agent.turn.spans[index]
-                if span.key is not None and span.key not in self.masters:
-                    holders[span.key] = holders.get(span.key, 0) + 1
-                    pieces.setdefault(span.key, agent.token_ids[span.start:span.end])
-        keys = [key for key in pieces if holders[key] > 1]
-        if not keys:
+        pieces = {}
+        for key in masters.neutral:
+            if key not in self.masters:
+                index, start = masters.where[key][0]
+                pieces[key] = agents[index].token_ids[start:_span_at(agents[index], start).end]
+        if not pieces:
             return 0
-        token_ids = [t for key in keys for t in pieces[key]]
+        token_ids = [t for piece in pieces.values() for t in piece]
         if not self.kv.has(MasterKey()):
             self.kv.create_table(MasterKey())
         slots = self.private_slots(MasterKey(), len(token_ids))
         yield Work([ScheduledRequest(MasterKey(), token_ids, range(len(token_ids)), slots, False, None)])
         start = 0
-        for key in keys:
-            self.masters[key] = slots[start:start + len(pieces[key])]
-            start += len(pieces[key])
+        for key, piece in pieces.items():
+            self.masters[key] = slots[start:start + len(piece)]
+            start += len(piece)
         return len(token_ids)
 
-    def blend_masters(self, anchors: list["AgentPrefill"]) -> None:
-        """Make each span that several of these agents computed in full (in their own contexts)
-        the mean of their encodings, at the first one's positions: the base every other agent
-        reuses (the anchors themselves keep their exact KV)."""
-        holders: dict[bytes, list[tuple[AgentPrefill, PromptSpan]]] = {}
-        for agent in anchors:
-            for span in agent.turn.spans:
-                if span.key is not None and span.start >= agent.num_reused_prefix and span.end <= agent.num_prepared:
-                    holders.setdefault(span.key, []).append((agent, span))
-        for key, found in holders.items():
-            if len(found) < 2 or key not in self.masters:
+    def blend_masters(self, agents: list["AgentPrefill"], masters: Masters) -> None:
+        """Make each span that several anchors computed in full (in their own contexts:
+        `masters.where`) the mean of their encodings, at the first one's positions: the base every
+        other agent reuses (the anchors themselves keep their exact KV)."""
+        for key, sources in masters.where.items():
+            if len(sources) < 2 or key not in self.masters:
                 continue
+            found = [(agents[i], _span_at(agents[i], start)) for i, start in sources]
             first = found[0][1]
             slots = self.private_slots(MasterKey(), first.end - first.start)
             self.spread[key] = self.runner.blend_kv([self.kv.get_slots(a.table_id)[s.start:s.end] for a, s in found],
@@ -354,6 +348,10 @@ class RoundKV:
         if releases and idle:
             yield Ready(idle)
         return sum(len(i.token_ids) for i in items)
+
+
+def _span_at(agent: AgentPrefill, start: int) -> Span:
+    return next(s for s in agent.turn.spans if s.start == start)
 
 
 def private_positions(agent: AgentPrefill) -> list[int]:

@@ -11,7 +11,7 @@ import jinja2
 
 from tokendance.errors import InvalidRequestError
 from tokendance.model.tokenizer import ChatTokenizer
-from tokendance.reuse.planning import segment_key
+from tokendance.round_core.spans import Span, segment_key
 
 
 @dataclass
@@ -36,23 +36,11 @@ class AgentTurn:
 
 
 @dataclass
-class PromptSpan:
-    """A segment placed in a prompt: tokens [start, end); `key` names its content if shared with
-    other agents of the round; `content` names it always (an agent's session finds the segments
-    of its previous prompt by it)."""
-
-    start: int
-    end: int
-    key: bytes | None = None
-    content: bytes | None = None
-
-
-@dataclass
 class TokenizedTurn:
     agent_id: str
     namespace: str
     token_ids: list[int]
-    spans: list[PromptSpan] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     # prompt_logprobs asked: the scheduler computes the prompt's private tail (the tokens after
     # its last shared segment) and the token before it, for their logits
     score_tail: bool = False
@@ -68,7 +56,7 @@ class TokenizedTurn:
         return max(0, min(last, tail - 1))
 
     @property
-    def shared_spans(self) -> list[PromptSpan]:
+    def shared_spans(self) -> list[Span]:
         """Shared spans that can be served from shared KV: those within the prepared tokens."""
         end = self.num_prepared
         return [s for s in self.spans if s.key is not None and s.end <= end]
@@ -187,7 +175,7 @@ def tokenize_round(tokenizer: ChatTokenizer, turns: Sequence[AgentTurn]) -> list
             shared = marked if marked is not None else occurrences[key] > 1
             start = len(result.token_ids)
             result.token_ids.extend(ids)
-            result.spans.append(PromptSpan(start, len(result.token_ids), key if shared else None, key))
+            result.spans.append(Span(start, len(result.token_ids), key if shared else None, key))
         tokenized.append(result)
     return tokenized
 

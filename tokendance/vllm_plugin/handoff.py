@@ -14,6 +14,8 @@ import logging
 import re
 import weakref
 
+from tokendance.round_core.spans import Boundaries
+
 logger = logging.getLogger("tokendance.vllm")
 
 _models: list[weakref.ref] = []  # the models this process's runners loaded (one per worker)
@@ -93,19 +95,16 @@ def layouts(vllm_config, kv_caches: dict) -> list:
 
 
 @functools.lru_cache(maxsize=4)
-def _boundaries(tokenizer_path: str, revision: str | None, trust_remote_code: bool) -> frozenset[int]:
+def _boundaries(tokenizer_path: str, revision: str | None, trust_remote_code: bool) -> Boundaries:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, revision=revision, trust_remote_code=trust_remote_code)
-    ids = set(tokenizer.all_special_ids)
-    for token_id in range(len(tokenizer)):
-        if "\n" in tokenizer.decode([token_id]):
-            ids.add(token_id)
-    return frozenset(ids)
+    line_breaks = frozenset(i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i]))
+    return Boundaries(line_breaks, frozenset(tokenizer.all_special_ids))
 
 
-def boundary_token_ids(model_config) -> frozenset[int]:
-    """Token ids after which a prompt is cut into pieces: those holding a line break, and the
-    special tokens (message boundaries of chat templates)."""
+def boundary_token_ids(model_config) -> Boundaries:
+    """The token ids that cut a prompt into pieces (`round_core.spans.cut_spans`): those holding a
+    line break, and the special tokens (message boundaries of chat templates)."""
     return _boundaries(model_config.tokenizer, getattr(model_config, "tokenizer_revision", None),
                        bool(model_config.trust_remote_code))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tokendance.reuse.planning import common_prefix
-from tokendance.vllm_plugin.round_planning import overlap
+from tokendance.round_core.spans import common_prefix
+from tokendance.round_core.spans import overlap
 from tokendance.vllm_plugin.rounds import Member, Session
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from tokendance.round_core.spans import Boundaries, cut_spans
 from tokendance.vllm_plugin.plan import ReusedSpan
 from tokendance.vllm_plugin.round_account import count_tokens
-from tokendance.vllm_plugin.round_planning import Recall, Sourced, SpanPlanner, cut_pieces, plan_round, trim
+from tokendance.vllm_plugin.round_planning import Recall, Sourced, SpanPlanner, plan_round, trim
 from tokendance.vllm_plugin.rounds import Member, Round, RoundTag, Session
 from tokendance.vllm_plugin.store_index import StoreIndex
 
@@ -22,7 +23,7 @@ class RoundBook:
     """Every open round and its members, by request id. Invariant: a round's `pinned` blocks are
     held (one reference each) from its masters' computation until no member needs them."""
 
-    def __init__(self, boundaries: Collection[int], round_timeout_s: float, hold_timeout_s: float,
+    def __init__(self, boundaries: Boundaries, round_timeout_s: float, hold_timeout_s: float,
                  claim_tokens_per_step: int = 0, min_piece_tokens: int = 4, anchors: int = 1,
                  block_size: int = 16, lookup: Callable[[Any], int | None] | None = None,
                  store: StoreIndex | None = None, confirm_steps: int = 1):
@@ -73,8 +74,7 @@ class RoundBook:
             self.serials += 1
             round_ = self.rounds[key] = Round(key, tag.round_size, now, serial=self.serials)
         member = Member(request_id, tag, token_ids, now, salt=salt)
-        member.pieces = cut_pieces(token_ids, self.boundaries, tag.namespace, len(token_ids) - 1,
-                                   self.min_piece_tokens)
+        member.pieces = cut_spans(token_ids, self.boundaries, tag.namespace)
         round_.members[request_id] = member
         round_.latest = now
         self.members[request_id] = (round_, member)
@@ -173,13 +173,16 @@ class RoundBook:
         member.session_blocks = self.planner.session_blocks(member.spans, recall.cached)
         member.store_entry = next((r.stored for r in member.spans if r.stored is not None), None)
 
+    def _session(self, member: Member) -> Session | None:
+        """Its agent's previous request, under the same salt, while blocks are looked up."""
+        session = self.sessions.get((member.tag.namespace, member.tag.agent_id))
+        return None if session is None or session.salt != member.salt or self.lookup is None else session
+
     def _recall(self, member: Member) -> Recall:
-        """What its agent's previous request left: its session (under the same salt, while blocks
-        are looked up), the blocks vLLM's prefix cache still holds of it, its session store entry."""
+        """What its agent's previous request left: its session (`_session`), the blocks vLLM's
+        prefix cache still holds of it, its session store entry."""
         agent = (member.tag.namespace, member.tag.agent_id)
-        session = self.sessions.get(agent)
-        if session is not None and (session.salt != member.salt or self.lookup is None):
-            session = None
+        session = self._session(member)
         held = [] if session is None else [self.lookup(h) for h in session.block_hashes]
         stored = None if self.store is None else self.store.find(agent, member.salt)
         return Recall(session, [-1 if b is None else b for b in held], stored)
@@ -326,7 +329,8 @@ class RoundBook:
         complete = round_.size is not None and len(members) >= round_.size
         self.counters["rounds_single" if round_.size == 1 else "rounds_complete" if complete else "rounds_timed_out"] += 1
         anchors = next((m.tag.anchors for m in members if m.tag.anchors is not None), self.anchors)
-        for member, plan in zip(members, plan_round(members, anchors, self.min_piece_tokens)):
+        without_session = [self._session(m) is None for m in members]
+        for member, plan in zip(members, plan_round(members, anchors, self.min_piece_tokens, without_session)):
             member.role = plan.role
             member.unmastered = plan.unmastered
             member.reusable = plan.reusable

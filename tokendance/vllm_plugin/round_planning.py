@@ -1,40 +1,23 @@
-"""The planning of a round's spans and their sources, on token ids: where a prompt is cut into
-pieces, who computes in full (masters, chosen by the engine's planning code, `reuse/planning.py`),
-what each mirror reuses from whom, and what fills a claim: its agent's history at the same
-positions, its masters' pieces, its own pieces that moved. Functions that read members and return
-plans; the round book (`round_book.py`) applies them.
+"""The plugin's side of a round's plan, on token ids: each member's reused pieces and their
+sources by the round core's planning (`round_core/planning.py`, the engine's too), and what fills
+a claim: its agent's history at the same positions, its masters' pieces, its own pieces that
+moved. Functions that read members and return plans; the round book (`round_book.py`) applies them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokendance.reuse.planning import choose_anchors, common_prefix, segment_key
+from tokendance.round_core import planning
+from tokendance.round_core.spans import Span, common_prefix, overlap
 from tokendance.vllm_plugin.plan import ReusedSpan
-from tokendance.vllm_plugin.rounds import Member, Piece, Session
+from tokendance.vllm_plugin.rounds import Member, Session
 from tokendance.vllm_plugin.store_index import StoredAgent
 
 # (mirror start, length, [(source member, source start), ...]): a piece and every member computing it
 Sourced = tuple[int, int, list[tuple[Member, int]]]
-
-
-def cut_pieces(token_ids: Sequence[int], boundaries: Collection[int], namespace: str, end: int,
-               min_tokens: int = 1) -> list[Piece]:
-    """The prompt's tokens [0, end) in pieces, each ending after a boundary token (or at `end`); a
-    run shorter than `min_tokens` that ends at a boundary joins the piece before it (the chat
-    template's framing between two messages, `<|im_end|>`, a line break, `<|im_start|>user` and its
-    line break, goes with the message before it instead of standing alone as tokens no one
-    shares)."""
-    pieces, start = [], 0
-    for position in range(end):
-        boundary = token_ids[position] in boundaries
-        if boundary or position == end - 1:
-            if boundary and position + 1 - start < min_tokens and pieces:
-                start = pieces.pop().start
-            pieces.append(Piece(start, position + 1, segment_key(token_ids[start:position + 1], namespace)))
-            start = position + 1
-    return pieces
 
 
 @dataclass
@@ -46,64 +29,29 @@ class MemberPlan:
     role: str
     reusable: list[Sourced] = field(default_factory=list)
     unmastered: set[bytes] = field(default_factory=set)
-    provides: list[Piece] = field(default_factory=list)
+    provides: list[Span] = field(default_factory=list)
 
 
-def plan_round(members: Sequence[Member], anchors: int, min_piece_tokens: int) -> list[MemberPlan]:
-    """Each member's plan: masters by the engine's planning code; each mirror's reusable pieces
-    from them. A shared piece no master holds is computed by its first holder and reused by the
-    others (a later member, so no cycle): in the first holder's pass, or the one after."""
-    shared_of = _shared_pieces(members, min_piece_tokens)
-    masters = choose_anchors(shared_of, anchors)
-    where = _anchor_sources([members[i] for i in masters], anchors)
-    provided: dict[bytes, tuple[Member, int]] = {}
-    plans = []
-    for index, (member, shared) in enumerate(zip(members, shared_of)):
-        if index in masters:
-            plans.append(MemberPlan("master"))
-            continue
-        plan = MemberPlan("mirror", unmastered={key for key in shared if key not in where})
-        provides: list[Piece] = []
-        for p in member.pieces:
-            if p.key not in shared:
-                continue
-            source = where.get(p.key) or ([provided[p.key]] if p.key in provided else None)
-            if source is not None:
-                plan.reusable.append((p.start, p.end - p.start, source))
-            elif all(q.key != p.key for q in provides):
-                provides.append(p)
-        if not plan.reusable:  # nothing to reuse: computed in full, a master of what it holds
-            plan.role = "master" if provides else "exact"
-            for p in provides:
-                where[p.key] = [(member, p.start)]
-        else:
-            for p in provides:
-                provided[p.key] = (member, p.start)
-            plan.provides = provides
-        plans.append(plan)
-    return plans
-
-
-def _shared_pieces(members: Sequence[Member], min_piece_tokens: int) -> list[dict[bytes, int]]:
-    """Each member's pieces that another member holds too, long enough to reuse: key -> length."""
-    holders: dict[bytes, int] = {}
-    for member in members:
-        for key in {p.key for p in member.pieces}:
-            holders[key] = holders.get(key, 0) + 1
-    return [{p.key: p.end - p.start for p in m.pieces if holders[p.key] > 1 and p.end - p.start >= min_piece_tokens}
-            for m in members]
-
-
-def _anchor_sources(masters: Sequence[Member], anchors: int) -> dict[bytes, list[tuple[Member, int]]]:
-    """Each piece's encodings: its first occurrence in up to `anchors` masters (a line repeated in
-    every master, such as a JSON field, is read once, not averaged over all of them)."""
-    where: dict[bytes, list[tuple[Member, int]]] = {}
-    for master in masters:
-        for piece in master.pieces:
-            held = where.setdefault(piece.key, [])
-            if len(held) < anchors and all(m is not master for m, _ in held):
-                held.append((master, piece.start))
-    return where
+def plan_round(members: Sequence[Member], anchors: int, min_piece_tokens: int,
+               without_session: Sequence[bool]) -> list[MemberPlan]:
+    """Each member's plan, by the round core: its reused pieces (those another member holds too,
+    under the core's rules; `without_session`: a member whose agent left no session to read back,
+    whose prefix then stays exact where that is cheap), agent masters (vLLM computes requests
+    only: no neutral row), and first holders in arrival order."""
+    holders = Counter(key for m in members for key in {p.key for p in m.pieces})
+    reused_of = []
+    for member, fresh in zip(members, without_session):
+        shared = [i for i, p in enumerate(member.pieces) if holders[p.key] > 1]
+        chosen = planning.reusable_spans(member.pieces, shared, len(member.token_ids) - 1, fresh, min_piece_tokens)
+        reused_of.append([member.pieces[i] for i in chosen])
+    _, plans = planning.plan_round(reused_of, [m.pieces for m in members], anchors)
+    out = []
+    for spans, plan in zip(reused_of, plans):
+        lengths = {s.start: s.length for s in spans}
+        reusable = [(start, lengths[start], [(members[i], at) for i, at in sources])
+                    for start, sources in sorted(plan.reused.items())]
+        out.append(MemberPlan(plan.role, reusable, plan.unmastered, plan.provides))
+    return out
 
 
 @dataclass
@@ -185,7 +133,7 @@ class SpanPlanner:
         for p in member.pieces:
             was = session.pieces.get(p.key)
             n = p.end - p.start
-            if (was is None or p.start < start or n < self.min_piece_tokens
+            if (was is None or p.start < start or p.end >= len(member.token_ids) or n < self.min_piece_tokens
                     or any(overlap(p.start, p.end, a, b) for a, b in taken)):
                 continue
             if (was + n - 1) // size < len(cached) and all(b >= 0 for b in cached[was // size:(was + n - 1) // size + 1]):
@@ -221,8 +169,3 @@ def merge(spans: list[ReusedSpan]) -> list[ReusedSpan]:
         else:
             out.append(span)
     return out
-
-
-def overlap(a: int, b: int, c: int, d: int) -> int:
-    """Length of [a, b) within [c, d)."""
-    return max(0, min(b, d) - max(a, c))

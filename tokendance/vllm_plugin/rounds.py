@@ -1,19 +1,20 @@
 """The scheduler side's rounds, in four modules: the round and its members here (the tag a request
 joins by, what each member is and holds); the round book, membership and arrival, claims and pins
-(`round_book.py`); the planning of spans and their sources (`round_planning.py`, on the engine's
-`reuse/planning.py`); and the token account (`round_account.py`). Plain Python over token ids; no
-forward passes, no vLLM types.
+(`round_book.py`); the plugin's side of the plan (`round_planning.py`, on the round core's
+`round_core/planning.py`, which the engine plans with too); and the token account
+(`round_account.py`). Plain Python over token ids; no forward passes, no vLLM types.
 
 A request joins a round through its `kv_transfer_params`:
     {"tokendance": {"round_id": "r7", "round_size": 16, "agent_id": "alice", "namespace": ""}}
-Its prompt is cut into pieces after every boundary token (a token holding a line break, or a
-special token: the chat template's message boundaries), the way `tokendance serve` cuts messages
-into segments; a piece found in two or more prompts of the round is shared. Once every member
-arrived (or `round_timeout_s` passed), the round is planned with the engine's planning code
-(`reuse/planning.py`): masters compute their prompts in full; every other member (a mirror) is
-held until the masters holding its shared pieces have been computed, then claims its prompt up to
-the end of its last reused piece. With in-round anchors (`anchors` > 1), each shared piece is
-computed in full by up to that many masters, and a mirror reuses the mean of their encodings.
+Its prompt is cut into pieces as `tokendance serve` cuts messages into segments (each line of
+each message, the template's header with its first line: `round_core.spans.cut_spans`); a piece
+found in two or more prompts of the round is shared. Once every member arrived (or
+`round_timeout_s` passed), the round is planned by the round core, under the engine's rules:
+masters compute their prompts in full; every other member (a mirror) is held until the masters
+holding its shared pieces have been computed, then claims its prompt up to the end of its last
+reused piece. The message a member answers is never reused. With in-round anchors (`anchors` >
+1), each shared piece is computed in full by up to that many masters, and a mirror reuses the
+mean of their encodings.
 
 A mirror also reads back its agent's previous request (its session) from blocks vLLM's prefix
 cache still holds, found by their hashes (`lookup`, under the same salt): the history past vLLM's
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokendance.registry import MAX_ANCHORS, valid_anchors
+from tokendance.round_core.spans import Span
 from tokendance.vllm_plugin.plan import ReusedSpan
 
 
@@ -80,16 +82,6 @@ class RoundTag:
 
 
 @dataclass
-class Piece:
-    """A prompt's tokens [start, end), ending after a boundary token; `key` names them (and the
-    namespace) wherever they sit (`round_planning.cut_pieces`)."""
-
-    start: int
-    end: int
-    key: bytes
-
-
-@dataclass
 class Session:
     """An agent's latest finished request: its tokens (prompt and output), its prompt's pieces (key
     -> start), its salt, and vLLM's hashes of its full blocks (found again while the pool keeps
@@ -110,7 +102,7 @@ class Member:
     tag: RoundTag
     token_ids: list[int]
     arrived: float
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Span] = field(default_factory=list)  # its prompt cut (`round_core.spans.cut_spans`)
     role: str = "waiting"  # waiting -> master | mirror | exact
     reusable: list[tuple[int, int, list[tuple["Member", int]]]] = field(default_factory=list)
     unmastered: set[bytes] = field(default_factory=set)  # a mirror's shared pieces no master holds

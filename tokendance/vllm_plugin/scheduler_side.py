@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tokendance.round_core.spans import Boundaries
 from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
 from tokendance.vllm_plugin.round_book import RoundBook
 from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
@@ -36,7 +37,7 @@ class SchedulerSide:
     all layers; `confirm_steps`: steps before a first holder's filled blocks are read (2 under
     vLLM's asynchronous scheduling)."""
 
-    def __init__(self, settings, block_size: int, boundaries: frozenset[int], kv_cache_manager: Callable[[], Any],
+    def __init__(self, settings, block_size: int, boundaries: Boundaries, kv_cache_manager: Callable[[], Any],
                  single_group: bool, bytes_per_token: int, confirm_steps: int = 1):
         self.settings = settings
         self.kv_cache_manager = kv_cache_manager
