@@ -26,8 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_plugin import serving  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.servers import serving  # noqa: E402
 
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO  # noqa: E402
 

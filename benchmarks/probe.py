@@ -35,11 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fairness import agent  # noqa: E402
-import vllm_fleet  # noqa: E402
-from vllm_plugin import free_port, start, wait_ready  # noqa: E402
+from benchmarks import vllm_fleet  # noqa: E402
+from benchmarks.fairness import agent  # noqa: E402
+from benchmarks.servers import free_port, replicas_up, start, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "data" / "hostile_requests.json"
@@ -551,7 +551,7 @@ def start_server(name: str, port: int, args, log):
     fleet = argparse.Namespace(replicas=2, kv_gib=args.kv_gib, store_gib=args.store_gib, dtype=args.dtype,
                                vllm_python=str(vllm_fleet.VLLM_PYTHON), gather_ms=50.0, agents=0)
     server = vllm_fleet.start("tokendance", port, fleet, log, extra=tuple(f"--vllm-arg={a}" for a in args.vllm_args))
-    return server, vllm_fleet.wait_ready(port, fleet.replicas, server, log)
+    return server, wait_ready(port, server, log, replicas_up(fleet.replicas), timeout_s=1200)
 
 
 def main() -> int:

@@ -12,41 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.servers import free_port, replicas_up, wait_ready  # noqa: E402
 
 SETUPS = {
     "1 engine (2 threads)": ["--num-threads", "2", "--reuse", "tokendance"],
     "2 replicas (1 thread each)": ["--replicas", "2", "--num-threads", "1", "--reuse", "tokendance"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port: int, replicas: int, server: subprocess.Popen, log) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"the server exited:\n{log.read().decode()[-3000:]}")
-        try:
-            path = "/v1/replicas" if replicas > 1 else "/health"
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-                if replicas == 1 or len(json.load(response)["data"]) >= replicas:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not become ready")
 
 
 def run_setup(name: str, extra: list[str], args, out: Path) -> dict:
@@ -55,7 +34,7 @@ def run_setup(name: str, extra: list[str], args, out: Path) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "tokendance.cli", "serve", "--port", str(port), *extra],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(port, 2 if "--replicas" in extra else 1, server, log)
+        wait_ready(port, server, log, replicas_up(2 if "--replicas" in extra else 1), timeout_s=600)
         started = time.perf_counter()
         clients = [subprocess.Popen([sys.executable, "-m", "tokendance.cli", "bench", "--target",
                                      f"http://127.0.0.1:{port}/v1", "--workload", "generative-agents",

@@ -30,8 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_plugin import ROOT, serving  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.servers import ROOT, serving  # noqa: E402
 
 from tokendance.bench.target import Client  # noqa: E402
 from tokendance.model.platform import probe_cpu  # noqa: E402

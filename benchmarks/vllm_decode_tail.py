@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
-from vllm_plugin import serving
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokendance.bench.target import Client, run_round
-from tokendance.model.platform import probe_cpu
-from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
-from tokendance.workloads import make_workload
+from benchmarks.servers import serving  # noqa: E402
+from tokendance.bench.target import Client, run_round  # noqa: E402
+from tokendance.model.platform import probe_cpu  # noqa: E402
+from tokendance.registry import DEFAULT_RECOMPUTE_RATIO  # noqa: E402
+from tokendance.workloads import make_workload  # noqa: E402
 
 
 def rounds(name: str, args) -> list[tuple[str, dict]]:

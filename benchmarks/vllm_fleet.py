@@ -26,22 +26,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.servers import ROOT, VLLM_PYTHON, free_port, replicas_up, wait_ready  # noqa: E402
+
 SETUPS = ("tokendance", "split", "prefix", "pow2", "single")
 COUNTERS = ("vllm:tokendance_restored_tokens_total", "vllm:tokendance_reused_tokens_total")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str):
@@ -79,21 +72,6 @@ def start(setup: str, port: int, args, log, extra: tuple[str, ...] = ()) -> subp
     return subprocess.Popen(command + list(extra), stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_ready(port: int, replicas: int, server: subprocess.Popen, log) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < 1200:
-        if server.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"the fleet exited:\n{log.read().decode(errors='replace')[-3000:]}")
-        try:
-            if len(get(port, "/v1/replicas")["data"]) >= replicas:
-                return time.monotonic() - started
-        except OSError:
-            pass
-        time.sleep(2)
-    raise SystemExit("the fleet was not ready after 20 minutes")
-
-
 def simulate(port: int, workload: str, declared: bool, args, out: Path) -> dict:
     salt = f"{workload}-{'declared' if declared else 'transparent'}"
     before = counters(port)
@@ -118,7 +96,7 @@ def run_setup(setup: str, args, out: Path) -> list[dict]:
     with tempfile.TemporaryFile() as log:
         server = start(setup, port, args, log)
         try:
-            ready = wait_ready(port, 1 if setup == "single" else args.replicas, server, log)
+            ready = wait_ready(port, server, log, replicas_up(1 if setup == "single" else args.replicas), timeout_s=1200)
             print(f"{setup}: ready after {ready:.0f} s", flush=True)
             results = []
             for workload in args.workloads:
