@@ -76,7 +76,6 @@ class EngineConfig:
     # layers in fixed row tiles, prompts computed in chunks that end at fixed positions, every
     # decode attended alone. See `BATCH_INVARIANT_CHUNK` and docs/workloads.md#reproducible-simulations.
     batch_invariant: bool = False
-    collective_selection: str = "agent"  # "agent" | "block" (tokendance ablation)
     # In-round anchors (tokendance): each shared span computed in full in up to this many agents'
     # contexts, its reused base the mean of those encodings (docs/concepts.md#in-round-anchors).
     anchors: int = 1

@@ -32,14 +32,8 @@ SELECTIONS = {  # which tokens of a reused span are recomputed in their new cont
     "epic": Choice("tokendance.reuse.selection:EpicSelector", "the first tokens of each span"),
     "cacheblend": Choice("tokendance.reuse.selection:CacheBlendSelector",
                          "the tokens whose values deviate most at the check layer"),
-    "cacheblend-block": Choice("tokendance.reuse.selection:BlockAwareSelector",
-                               "cacheblend, in whole 16-token groups"),
     "anchor-spread": Choice("tokendance.reuse.selection:AnchorSpreadSelector",
                             "the tokens whose in-round anchors disagree most (anchors > 1)"),
-    "attention": Choice("tokendance.reuse.selection:AttentionSelector",
-                        "the tokens the agent's own tail attends to most at the check layer"),
-    "attention-deviation": Choice("tokendance.reuse.selection:AttentionDeviationSelector",
-                                  "the tokens whose key deviation the agent's tail reads most"),
 }
 MASTERS = {  # where the base KV of a round's shared spans is computed (tokendance)
     "neutral": "once, in a row of their own: no agent's private text colours the KV the others read",

@@ -247,37 +247,6 @@ def test_in_round_anchors_compute_spans_in_more_contexts_and_stay_exact_at_full_
         make_llm(anchors=0)
 
 
-def test_the_check_pass_keeps_the_tails_attention_as_transformers_computes_it(make_llm, hf_model):
-    """The attention selectors' score: queries kept by `compute_kv` (over two chunks, as the engine
-    may cut a pass) against the keys of the same pass, summed over the tail's queries and heads,
-    equals transformers' own attention probabilities at that layer."""
-    from tokendance.batch import SchedulerOutput, ScheduledRequest
-    from tokendance.reuse.round_kv import tail_attention
-
-    llm = make_llm(dtype="float32", reuse="full")
-    runner, layer = llm.engine.runner, 1
-    token_ids = llm.chat_token_ids([{"role": "user", "content": utterance(random.Random(3), 30)}])
-    slots, first, cut = list(range(64, 64 + len(token_ids))), len(token_ids) - 12, len(token_ids) - 5
-    kept = []
-    for chunk in (range(0, cut), range(cut, len(token_ids))):
-        item = ScheduledRequest("probe", token_ids[chunk.start:chunk.stop], chunk, slots[:chunk.stop], False, None)
-        kept.append(runner.compute_kv(SchedulerOutput([item]), num_layers=layer + 1, queries_from={"probe": first})["probe"])
-    assert [len(q) for q in kept] == [cut - first, len(token_ids) - cut]
-    keys = runner.read_keys(layer, slots, list(range(len(slots))))
-    mass = tail_attention(torch.cat(kept), keys, first)
-
-    hf_model.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            attentions = hf_model(torch.tensor([token_ids]), output_attentions=True).attentions
-    finally:
-        hf_model.config._attn_implementation = "sdpa"
-    expected = attentions[layer][0, :, first:, :].sum(dim=(0, 1)).float()
-    torch.testing.assert_close(mass, expected, atol=1e-4, rtol=1e-4)
-    heads = llm.engine.runner.model.config.num_heads
-    assert mass.sum().item() == pytest.approx((len(token_ids) - first) * heads, rel=1e-5)  # each row sums to 1
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_keys_moved_to_new_positions_equal_the_keys_computed_there(make_llm, dtype):
     """Layer 0's keys and values depend on the token and its position only, so a span computed at

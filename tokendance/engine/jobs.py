@@ -14,15 +14,11 @@ from tokendance.outputs import RequestOutput
 @dataclass
 class KVGroup:
     """A job's forward passes for one step: `items` (no sampling) through the first `num_layers`
-    layers (all when None); `complete` names the tables whose last item this group holds. For the
-    tables `queries_from` names, the engine keeps the last layer's queries in `queries`
-    (`ModelRunner.compute_kv`)."""
+    layers (all when None); `complete` names the tables whose last item this group holds."""
 
     items: list[ScheduledRequest]
     num_layers: int | None = None
     complete: set = field(default_factory=set)
-    queries_from: dict | None = None
-    queries: dict = field(default_factory=dict)
 
 
 class KVJob(Protocol):

@@ -308,8 +308,7 @@ class LLMEngine:
             error = exc
         if group is not None:
             try:
-                group.queries = self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers,
-                                                       group.queries_from)
+                self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers)
             except Exception as job_error:
                 logger.exception("a round's preparation failed")
                 self._job_call(job, job.fail, job_error)
@@ -325,8 +324,7 @@ class LLMEngine:
         items = []
         if group is not None and group.num_layers is not None:  # a partial pass (the check pass): its own
             started = time.perf_counter()
-            group.queries = self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers,
-                                                   group.queries_from)
+            self.runner.compute_kv(SchedulerOutput(group.items), group.num_layers)
             self._count({"check": items_work(group.items, self.shape, group.num_layers)}, group.num_layers, started)
         elif group is not None:
             items = group.items

@@ -150,7 +150,7 @@ class RoundJob:
                                                        positions=item.positions[take:])
             tokens += take
         complete = {i.request_id for i in items} - {i.request_id for i in pending.items}
-        return KVGroup(items, pending.work.num_layers, complete, pending.work.queries_from)
+        return KVGroup(items, pending.work.num_layers, complete)
 
     def group_ran(self, group: KVGroup) -> None:
         """Its passes ran: agents whose last item it was are ready; an exhausted Work lets the
@@ -158,8 +158,6 @@ class RoundJob:
         pending = self._pending
         if pending is None:
             return
-        for table_id, queries in group.queries.items():
-            pending.work.queries.setdefault(table_id, []).append(queries)
         if pending.work.releases:
             self._release([self._agents[t] for t in group.complete if t in self._agents])
         if not pending.items:

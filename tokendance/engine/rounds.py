@@ -57,7 +57,7 @@ class RoundRunner:
     def for_engine(cls, engine: LLMEngine) -> RoundRunner:
         c = engine.config
         round_kv = RoundKV(engine.kv, engine.runner, make_selector(c.selection, c.recompute_ratio), c.check_layer)
-        return cls(engine, make_policy(c.reuse, round_kv, c.collective_selection, c.anchors, c.masters))
+        return cls(engine, make_policy(c.reuse, round_kv, c.anchors, c.masters))
 
     # ------------------------------------------------------------ sessions
 

@@ -180,10 +180,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: KVCacheTensors,
         num_layers: int | None = None,
-        queries: list | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        """Run the first `num_layers` layers (all by default) and the final norm. `queries`: a list
-        the last layer's rotated queries ([T, Hq, D]) are appended to."""
+        """Run the first `num_layers` layers (all by default) and the final norm."""
         c = self.config
         pointwise = self.pointwise.bind(positions)
         hidden, delta = F.embedding(input_ids, self.embed_tokens), None
@@ -202,8 +200,6 @@ class LlamaModel:
             qk = pointwise.rope(qk)  # q and k rotated in one pass
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, num_qk:].view(-1, c.num_kv_heads, c.head_dim)
-            if queries is not None and layer_index == len(self.layers[:num_layers]) - 1:
-                queries.append(q)
             key_cache, value_cache = kv_cache.keys[layer_index], kv_cache.values[layer_index]
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)

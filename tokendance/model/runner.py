@@ -115,21 +115,9 @@ class ModelRunner:
         return found, kept
 
     @torch.inference_mode()
-    def compute_kv(self, out: SchedulerOutput, num_layers: int | None = None,
-                   queries_from: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
-        """Only fill the KV of the scheduled tokens (in the first `num_layers` layers). Returns, for
-        the requests `queries_from` names, the last layer's rotated queries of their positions from
-        the one given on ([n, Hq, D]; an item's positions ascend)."""
-        kept = [] if queries_from else None
-        self._forward(out, num_layers, kept)
-        found, row = {}, 0
-        for item in out.scheduled:
-            first = (queries_from or {}).get(item.request_id)
-            skip = sum(1 for p in item.positions if p < first) if first is not None else len(item.token_ids)
-            if skip < len(item.token_ids):
-                found[item.request_id] = kept[0][row + skip: row + len(item.token_ids)].clone()
-            row += len(item.token_ids)
-        return found
+    def compute_kv(self, out: SchedulerOutput, num_layers: int | None = None) -> None:
+        """Only fill the KV of the scheduled tokens (in the first `num_layers` layers)."""
+        self._forward(out, num_layers)
 
     @torch.inference_mode()
     def read_keys(self, layer: int, slots: list[int], read_positions: list[int]) -> torch.Tensor:
@@ -186,10 +174,10 @@ class ModelRunner:
             result.merge(alone)
         return kept, result, failed
 
-    def _forward(self, out: SchedulerOutput, num_layers: int | None = None, queries: list | None = None):
+    def _forward(self, out: SchedulerOutput, num_layers: int | None = None):
         self.copy_blocks(out.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
-        return self.model.forward(input_ids, positions, meta, self.kv_cache, num_layers, queries), sample_rows
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, num_layers), sample_rows
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

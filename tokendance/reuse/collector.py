@@ -35,20 +35,16 @@ from tokendance.round_core.spans import common_prefix
 
 
 class KVCollector(ReusePolicy):
-    """Collective reuse for a whole round (`tokendance`), over agent sessions. `scope` picks how
-    selection is shared: "agent" = one batched check pass, each agent selects its own tokens;
-    "block" = one check pass per distinct span (in the first agent holding it), the selection
-    applied to every agent."""
+    """Collective reuse for a whole round (`tokendance`), over agent sessions: one batched check
+    pass, each agent selecting its own tokens."""
 
     prepares_tables = True
     keeps_sessions = True
 
     name = "tokendance"
 
-    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1,
-                 masters: str = "agent"):
+    def __init__(self, round_kv: RoundKV, anchors: int = 1, masters: str = "agent"):
         super().__init__(round_kv)
-        self.scope = collective_scope
         self.anchors = anchors
         self.neutral = masters == "neutral" and anchors == 1  # anchors are agents' contexts
 
@@ -160,10 +156,8 @@ class KVCollector(ReusePolicy):
                     spread = rk.spread.get(span.key) if selector.score == "spread" else None
                     agent.selected[index] = selector.select(span.end - span.start, spread)
             return 0.0
-        with_spans = [a for a in agents if a.reused_spans]
-        probes = with_spans if self.scope == "agent" else _first_holders(with_spans)
-        fresh = yield from rk.check(probes, attention=selector.needs_queries)
-        chosen: dict[bytes, list[int]] = {}
+        probes = [a for a in agents if a.reused_spans]
+        fresh = yield from rk.check(probes)
         for agent, checked in zip(probes, fresh):
             for index in agent.reused_spans:
                 span = agent.turn.spans[index]
@@ -173,16 +167,6 @@ class KVCollector(ReusePolicy):
                 rows = slice(span.start - agent.num_reused_prefix, span.end - agent.num_reused_prefix)
                 scores = rk.span_scores(checked, rows, rk.source_slots(agent, index), range(span.start, span.end))
                 agent.selected[index] = selector.select(span.end - span.start, scores)
-                if span.key is not None:
-                    chosen.setdefault(span.key, agent.selected[index])
-        if self.scope == "block":
-            for agent in agents:
-                for index in agent.reused_spans:
-                    span = agent.turn.spans[index]
-                    if span.key in chosen:
-                        agent.selected[index] = chosen[span.key]
-                    elif index not in agent.selected:  # a recalled or late span no probe checked
-                        agent.selected[index] = selector.select(span.end - span.start, None)
         checked = sum(a.num_prepared - a.num_reused_prefix for a in probes)
         return checked * (rk.check_layer + 1) / rk.num_layers
 
@@ -248,12 +232,6 @@ def plan_sources(agents: list[AgentPrefill], order: list[int], masters: planning
 def _plan_reuse(agent: AgentPrefill) -> None:
     agent.reused_spans = planning.reusable_spans(agent.turn.spans, agent.spans_to_reuse(), agent.num_prepared,
                                                  agent.from_prefix_cache)
-
-
-def _first_holders(agents: list[AgentPrefill]) -> list[AgentPrefill]:
-    """A small set of agents whose reused spans cover every distinct shared span."""
-    keys = [{agent.turn.spans[i].key for i in agent.reused_spans} - {None} for agent in agents]
-    return [agents[i] for i in planning.first_holders(keys)]
 
 
 def _reused(agents: list[AgentPrefill]) -> list[list]:

@@ -59,7 +59,7 @@ class PerRequestReuse(ReusePolicy):
         started = time.perf_counter()
         selector = rk.selector
         if selector.needs_check_pass and agent.reused_spans:
-            (checked,) = yield from rk.check([agent], attention=selector.needs_queries)
+            (checked,) = yield from rk.check([agent])
             check = (agent.num_prepared - agent.num_reused_prefix) * (rk.check_layer + 1) / rk.num_layers
             report.computed_tokens += check
         for index in agent.reused_spans:

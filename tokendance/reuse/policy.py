@@ -25,7 +25,7 @@ class ReusePolicy:
     keeps_sessions = False  # True: agents' tables are kept between rounds (SessionKey)
     enables_prefix_caching = True  # False: the engine's KV manager caches no prefix at all
 
-    def __init__(self, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1, masters: str = "agent"):
+    def __init__(self, round_kv: RoundKV, anchors: int = 1, masters: str = "agent"):
         self.round_kv = round_kv
 
     def open_table(self, request_id: str, turn: TokenizedTurn) -> AgentPrefill:
@@ -62,7 +62,5 @@ def policy_class(name: str) -> type[ReusePolicy]:
     return registry.load(registry.REUSE_POLICIES[registry.check("reuse", name, registry.REUSE_POLICIES)])
 
 
-def make_policy(name: str, round_kv: RoundKV, collective_scope: str = "agent", anchors: int = 1,
-                masters: str = "agent") -> ReusePolicy:
-    registry.check("collective_selection", collective_scope, ("agent", "block"))
-    return policy_class(name)(round_kv, collective_scope, anchors, masters)
+def make_policy(name: str, round_kv: RoundKV, anchors: int = 1, masters: str = "agent") -> ReusePolicy:
+    return policy_class(name)(round_kv, anchors, masters)

@@ -102,10 +102,6 @@ class Work:
     items: list[ScheduledRequest]
     num_layers: int | None = None
     releases: bool = False
-    # table id -> first position whose queries at the last layer run the engine keeps, into
-    # `queries` (in position order, one tensor per group it ran: [n, Hq, D])
-    queries_from: dict[str, int] | None = None
-    queries: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,18 +126,12 @@ class PrefillReport:
 
 Prefill = Generator[Work | Ready, None, PrefillReport]  # what a policy's `prefill` is
 
-QUERY_TAIL = 64  # an agent's tail: at most its last 64 prepared tokens after its last reused span,
-MIN_TAIL = 8  # and at least its last 8
-
-
 @dataclass
 class Checked:
     """What the check pass measured of one agent's tokens [prefix, L-1): their fresh keys at the
-    check layer ([n, Hkv, D] float32) and, when asked, the attention the agent's tail pays each
-    there ([n], summed over the tail's queries and heads)."""
+    check layer ([n, Hkv, D] float32)."""
 
     keys: torch.Tensor
-    attention: torch.Tensor | None = None
 
 
 class RoundKV:
@@ -279,10 +269,9 @@ class RoundKV:
     def master_slots(self, key: bytes) -> list[int]:
         return self.masters[key]
 
-    def check(self, agents: list[AgentPrefill], attention: bool = False) -> Generator[Work, None, list[Checked]]:
+    def check(self, agents: list[AgentPrefill]) -> Generator[Work, None, list[Checked]]:
         """Fresh keys at the check layer of every token in [prefix, L-1) of each agent, computed in
-        its real context through the first check_layer+1 layers, in scratch slots; `attention`:
-        and what the agent's tail (`tail_start`) attends to there."""
+        its real context through the first check_layer+1 layers, in scratch slots."""
         scratch = []
         items = []
         try:
@@ -295,22 +284,10 @@ class RoundKV:
                 self.private_slots(table_id, len(new))
                 slots = self.kv.get_slots(table_id)
                 items.append(ScheduledRequest(table_id, agent.token_ids[new.start:new.stop], new, slots, False, None))
-            tails = {item.request_id: tail_start(agent) for item, agent in zip(items, agents)} if attention else None
-            work = Work(items, num_layers=self.check_layer + 1, queries_from=tails)
             if items:
-                yield work
-            found = []
-            for item in items:
-                if not tails:
-                    found.append(Checked(self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:],
-                                                               list(item.positions))))
-                    continue
-                keys = self.runner.read_keys(self.check_layer, item.context_slots, list(range(len(item.context_slots))))
-                queries = work.queries.get(item.request_id)
-                mass = (tail_attention(torch.cat(queries), keys, tails[item.request_id]) if queries
-                        else torch.zeros(len(keys)))
-                found.append(Checked(keys[item.positions.start:], mass[item.positions.start:]))
-            return found
+                yield Work(items, num_layers=self.check_layer + 1)
+            return [Checked(self.runner.read_keys(self.check_layer, item.context_slots[item.positions.start:],
+                                                  list(item.positions))) for item in items]
         finally:
             for table_id in scratch:
                 self.kv.free(table_id)
@@ -320,13 +297,9 @@ class RoundKV:
         return key_deviation(fresh, cached)  # [num_tokens]
 
     def span_scores(self, checked: Checked, rows: slice, slots: list[int], positions: range) -> torch.Tensor:
-        """What the selector ranks a reused span's tokens by (`Selector.score`), from the check
-        pass: the span is `rows` of the checked tokens, its base KV `slots`, read at `positions`."""
-        score = self.selector.score
-        if score == "attention":
-            return checked.attention[rows]
-        deviation = self.deviation(checked.keys[rows], slots, positions)
-        return deviation * checked.attention[rows] if score == "attention-deviation" else deviation
+        """What the selector ranks a reused span's tokens by, from the check pass: the span is
+        `rows` of the checked tokens, its base KV `slots`, read at `positions` (key deviation)."""
+        return self.deviation(checked.keys[rows], slots, positions)
 
     def recompute(self, agents: list[AgentPrefill], positions_of: Callable[[AgentPrefill], list[int]],
                   releases: bool = False) -> Generator[Work | Ready, None, int]:
@@ -363,26 +336,6 @@ def private_positions(agent: AgentPrefill) -> list[int]:
         chosen = set(agent.selected.get(index, ()))
         reused.update(span.start + o for o in range(span.end - span.start) if o not in chosen)
     return [p for p in range(agent.num_reused_prefix, agent.num_prepared) if p not in reused]
-
-
-def tail_start(agent: AgentPrefill) -> int:
-    """The first position of the agent's tail: its private text after its last reused span (the
-    instruction or question it answers), at most QUERY_TAIL tokens, at least MIN_TAIL (reaching
-    back into the span if need be), within the tokens the check pass computes."""
-    last = max((agent.turn.spans[i].end for i in agent.reused_spans), default=agent.num_reused_prefix)
-    start = min(max(last, agent.num_prepared - QUERY_TAIL), agent.num_prepared - MIN_TAIL)
-    return max(start, agent.num_reused_prefix)
-
-
-def tail_attention(queries: torch.Tensor, keys: torch.Tensor, first: int) -> torch.Tensor:
-    """How much attention queries at positions first, first+1, ... ([W, Hq, D], rotated) pay each
-    of the keys at positions 0, 1, ... ([L, Hkv, D], rotated), causally: softmax probabilities
-    summed over the queries and heads ([L] float32)."""
-    width, heads, dim = queries.shape
-    keys = keys.float().repeat_interleave(heads // keys.shape[1], dim=1)  # grouped-query heads
-    logits = torch.einsum("whd,lhd->hwl", queries.float(), keys) / dim ** 0.5
-    after = torch.arange(keys.shape[0])[None, :] > torch.arange(first, first + width)[:, None]
-    return logits.masked_fill_(after, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
 
 
 def count_reuse(agents: list[AgentPrefill], report: PrefillReport) -> None:

@@ -18,8 +18,6 @@ from tokendance.errors import InvalidRequestError
 SCORES = {  # what a selector ranks a span's tokens by; the check pass computes all but "spread"
     "deviation": "how far the cached key is from a fresh one at the check layer",
     "spread": "how much the span's in-round anchors disagree (RoundKV.spread)",
-    "attention": "the attention the agent's own tail pays the token at the check layer",
-    "attention-deviation": "that attention times the key's deviation",
 }
 
 
@@ -29,11 +27,6 @@ class Selector:
     @property
     def needs_check_pass(self) -> bool:
         return self.score is not None and self.score != "spread"
-
-    @property
-    def needs_queries(self) -> bool:
-        """The check pass keeps the queries of each agent's tail (RoundKV.check)."""
-        return self.score in ("attention", "attention-deviation")
 
     def __init__(self, ratio: float):
         if not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
@@ -65,52 +58,12 @@ class CacheBlendSelector(Selector):
         return sorted(torch.topk(scores, k).indices.tolist())
 
 
-class BlockAwareSelector(Selector):
-    """Like CacheBlend but in whole groups of `group` consecutive tokens ranked by their summed
-    deviation, so the recomputed tokens cluster (fewer touched blocks for the same budget)."""
-
-    score = "deviation"
-
-    def __init__(self, ratio: float, group: int = 16):
-        super().__init__(ratio)
-        self.group = group
-
-    def select(self, length: int, scores: torch.Tensor | None) -> list[int]:
-        k = self.budget(length)
-        if k == 0 or scores is None:
-            return self.first_tokens(length)
-        groups = [(start, min(start + self.group, length)) for start in range(0, length, self.group)]
-        sums = torch.stack([scores[a:b].sum() for a, b in groups])
-        chosen: list[int] = []
-        for index in torch.argsort(sums, descending=True).tolist():
-            a, b = groups[index]
-            chosen.extend(range(a, b))
-            if len(chosen) >= k:
-                break
-        return sorted(chosen[:k] if self.ratio < 1.0 else chosen)
-
-
 class AnchorSpreadSelector(CacheBlendSelector):
     """Top-r fraction of tokens by how much the span's in-round anchors disagree (the encodings
     of the span computed in full in several agents' contexts; `anchors` > 1): the tokens whose KV
     depends most on the context. No check pass; spans without anchors fall back to EPIC's."""
 
     score = "spread"
-
-
-class AttentionSelector(CacheBlendSelector):
-    """Top-r fraction of tokens by the attention the agent's own tail (its last private tokens:
-    the instruction or question it answers) pays them at the check layer, in its real context
-    (ProphetKV's idea): the tokens the agent reads most are the ones it gets exact."""
-
-    score = "attention"
-
-
-class AttentionDeviationSelector(CacheBlendSelector):
-    """Top-r fraction of tokens by attention (as `AttentionSelector`) times key deviation (as
-    `CacheBlendSelector`): the error the agent's tail would read from each token."""
-
-    score = "attention-deviation"
 
 
 class EpicSelector(Selector):

@@ -85,17 +85,6 @@ def choose_anchors(spans_of: Sequence[Mapping[bytes, int]], anchors: int) -> lis
     return chosen
 
 
-def first_holders(keys_of: Sequence[set[bytes]]) -> list[int]:
-    """Indices of a small set of agents whose spans cover every distinct span (greedy, in order)."""
-    seen: set[bytes] = set()
-    holders = []
-    for index, keys in enumerate(keys_of):
-        if keys - seen:
-            holders.append(index)
-            seen |= keys
-    return holders
-
-
 Source = tuple[int, int]  # (member index, the start of the span in that member's prompt)
 
 
