@@ -44,7 +44,7 @@ def test_server_page_lists_every_route_the_app_serves_and_no_other():
     served = served_routes()
     assert served - page == set(), "routes the app serves that server.md does not list"
     assert page - served - INGRESS_ROUTES == set(), "routes on server.md that the app does not serve"
-    replicas = (ROOT / "tokendance" / "server" / "replicas.py").read_text()
+    replicas = (ROOT / "tokendance" / "server" / "fleet" / "ingress.py").read_text()
     assert all(f'"{path}"' in replicas for _, path in INGRESS_ROUTES), "an ingress route server.md lists is gone"
 
 

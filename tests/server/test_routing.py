@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tokendance.round_gathering import Door
 from tokendance.round_protocol import merge_round_answers, round_answer, turn_usage
-from tokendance.server.routing import (
+from tokendance.server.fleet.routing import (
     PREFIX_SLACK,
     GroupFill,
     KeyLog,

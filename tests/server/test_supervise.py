@@ -1,4 +1,4 @@
-"""`python -m tokendance.server.supervise`: the session of the command it runs (a server and the
+"""`python -m tokendance.server.fleet.supervise`: the session of the command it runs (a server and the
 processes the server started) never outlives it, whether it is told to stop, its parent dies
 outright, or the command exits leaving processes behind."""
 
@@ -32,7 +32,7 @@ def session_processes(leader: int) -> list[int]:
 def supervised(tmp_path: Path, command: list[str], parent: bool = False) -> tuple[subprocess.Popen, int]:
     """(the process started: the supervisor, or a parent of it; the command's pid, once its helper runs)."""
     pidfile = tmp_path / "server.pid"
-    supervise = [sys.executable, "-m", "tokendance.server.supervise", str(pidfile), "--", *command]
+    supervise = [sys.executable, "-m", "tokendance.server.fleet.supervise", str(pidfile), "--", *command]
     if parent:  # a parent that starts the supervisor and waits: killing it is a replica killed outright
         supervise = [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({supervise!r}); time.sleep(300)"]
     process = subprocess.Popen(supervise)

@@ -55,7 +55,7 @@ from tokendance.server.responses import (
     response_body,
     response_param,
 )
-from tokendance.server.routing import agent_key, cache_namespace
+from tokendance.server.fleet.routing import agent_key, cache_namespace
 from tokendance.server.sink import Sink
 from tokendance.structured import StructuredOutput
 from tokendance.server.streaming import EventStream, TextDeltas, chat_chunks, completion_chunks, events

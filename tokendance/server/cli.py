@@ -126,7 +126,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.replicas > 1 or args.ray_address or args.engine == "vllm":
         sock.close()  # Ray Serve's proxy listens there
         try:
-            from tokendance.server.replicas import run_replicas
+            from tokendance.server.fleet.launch import run_replicas
         except ImportError as exc:
             print(f"error: --replicas needs Ray Serve: pip install 'tokendance[ray]' ({exc})", file=sys.stderr)
             return 1

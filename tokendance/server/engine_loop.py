@@ -28,7 +28,7 @@ from tokendance.reuse.segments import AgentTurn
 from tokendance.round_gathering import ChatTurn, RoundConflictError, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
-from tokendance.server.routing import agent_key
+from tokendance.server.fleet.routing import agent_key
 from tokendance.server.sink import Sink
 from tokendance.structured import StructuredOutputError
 

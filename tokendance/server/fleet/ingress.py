@@ -1,16 +1,5 @@
-"""`tokendance serve --replicas K`: one OpenAI-compatible endpoint in front of K engine replicas,
-deployed with Ray Serve (`pip install 'tokendance[ray]'`).
-
-    HTTP -> Ray Serve proxy -> Ingress (auth, body limit, routing key)
-                                  -> KVAffinityRouter (a Ray Serve request router; routing.py)
-                                  -> EngineReplica x K (each: an LLM and the single-process app)
-
-Every replica runs the same FastAPI app `tokendance serve` runs alone, driven in-process over
-ASGI, so endpoints, errors, streaming, admission and metrics are the same; the ingress forwards
-the request and streams the replica's ASGI messages back. A replica that dies is restarted by Ray;
-a request whose replica died before answering is retried once on another one, then answered 503.
-`/metrics` merges every replica's metrics with a `replica` label; `/v1/replicas` lists them.
-"""
+"""The fleet's ingress: auth, body limit and routing key for each request, rounds split into
+groups, and every replica's answer streamed back."""
 
 from __future__ import annotations
 
@@ -19,161 +8,26 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import ray
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.serve.config import RequestRouterConfig
 from ray.serve.context import _set_request_context
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from tokendance.round_gathering import Door
 from tokendance.round_protocol import RoundFieldError, check_round_request, merge_round_answers
+from tokendance.server.fleet.routing import (MAX_OWNED_KEYS, GroupFill, PromptView, Route, TransparentHold,
+                                             cache_namespace, fill_groups, group_routes, group_sizes, route_for,
+                                             shared_placement)
 from tokendance.server.gate import OPEN_PATHS, read_body, tenant_of
 from tokendance.server.metrics import split_sample, with_label
 from tokendance.server.protocol import ApiError
-from tokendance.server.routing import (MAX_OWNED_KEYS, GroupFill, KeyLog, PromptView, Route, TransparentHold,
-                                       cache_namespace, fill_groups, group_routes, group_sizes, route_for,
-                                       shared_placement)
 
 log = logging.getLogger("tokendance.server")
-REPLICA_HEADER = "x-tokendance-replica"  # which replica answered (every response carries it)
-ROUND_GROUP_HEADER = "x-tokendance-round-group"  # "g/G": a split declared round's member ran in group g of G
-
-
-class ReplicaGone(RuntimeError):
-    """A replica's server did not answer (it died or is restarting): retry elsewhere."""
-
-    def __init__(self, replica: str, reason: str):
-        super().__init__(replica, reason)  # both in args: Ray pickles it back to the caller
-        self.replica = replica
-
-    def __str__(self) -> str:
-        return f"replica {self.args[0]}: {self.args[1]}"
-
-
-REPLICA_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaGone)
-
-
-class KVAffinityRouter(RequestRouter):
-    """Ray Serve request router that sends each request where its KV lives (`routing.Placement`).
-    Requests carry their `Route` as the `route` keyword argument."""
-
-    def initialize_state(self, **kwargs) -> None:
-        self.placement = shared_placement()
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or Route("any")
-        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        cache = self.replica_queue_len_cache
-
-        def load(name: str) -> int:
-            return cache.get(by_name[name].replica_id) or 0
-
-        try:
-            names = self.placement.choose(route, sorted(by_name), load)
-        except Exception:  # a routing bug must not leave the request waiting: any replica answers it
-            log.exception("routing a %r request failed; the least loaded replica takes it", route.kind)
-            names = sorted(by_name, key=load)
-        ranked = [by_name[name] for name in names]
-        # the chosen replica first; the others only if it cannot take the request (full or gone)
-        return [rank for rank in (ranked[:1], ranked[1:]) if rank]
-
-
-def router_config(name: str) -> RequestRouterConfig:
-    """The request router of a fleet's replicas: `tokendance` (KVAffinityRouter), `prefix` (Ray
-    Serve's PrefixCacheAffinityRouter) or `pow2` (Ray Serve's default, power of two choices)."""
-    if name == "tokendance":
-        return RequestRouterConfig(request_router_class=KVAffinityRouter)
-    if name in ("prefix", "pow2"):
-        from tokendance.server import ray_routers
-
-        return RequestRouterConfig(request_router_class=ray_routers.PrefixRouter if name == "prefix"
-                                   else ray_routers.Pow2Router)
-    raise ValueError(f"unknown router {name!r}; known: {ROUTERS}")
-
-
-ROUTERS = ("tokendance", "prefix", "pow2")
-
-
-@serve.deployment(max_ongoing_requests=4096, health_check_period_s=2, health_check_timeout_s=30)
-class EngineReplica:
-    """One engine and the single-process app over it; `http` serves one request through it."""
-
-    def __init__(self, llm_args: dict, server_config, warm_up: bool = True):
-        from tokendance import LLM
-        from tokendance.server.app import create_app
-
-        self.name = serve.get_replica_context().replica_id.unique_id
-        llm = LLM(**llm_args)
-        if warm_up:
-            llm.warm_up()
-        server_config = dataclasses.replace(server_config, model_name=server_config.model_name or llm.engine.model_name)
-        self.app = create_app(llm, server_config)
-        self.loop = self.app.state.engine_loop
-        self.loop.start()
-        self.placed = KeyLog()  # round and agent keys routed here (a restarted endpoint reads them)
-
-    def check_health(self) -> None:
-        if not self.loop.is_alive:
-            raise RuntimeError(f"the engine thread died: {self.loop.error}")
-
-    async def http(self, method: str, path: str, query: bytes, headers: list, body: bytes, view=None,
-                   route: Route | None = None):
-        """The ASGI messages of the app's answer, as they come; the client leaving (the caller
-        cancelling) reaches the app as a disconnect, which aborts the request's engine work."""
-        sent, gone, messages = False, asyncio.Event(), asyncio.Queue()
-        self.placed.note(route)
-
-        async def receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
-                 "headers": [(bytes(k), bytes(v)) for k, v in headers], "client": ("127.0.0.1", 0),
-                 "server": ("127.0.0.1", 0), "state": {}}
-        async def run() -> None:
-            try:
-                await self.app(scope, receive, messages.put)
-            finally:
-                messages.put_nowait(None)  # the app is done (an answer it never finished raises below)
-
-        task = asyncio.ensure_future(run())
-        try:
-            while True:
-                message = await messages.get()
-                if message is None:
-                    task.result()
-                    break
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (REPLICA_HEADER.encode(), self.name.encode())]}
-                yield message
-                if message["type"] == "http.response.body" and not message.get("more_body", False):
-                    break
-        finally:
-            gone.set()
-            await asyncio.wait({task}, timeout=30)
-
-    def pid(self, route: Route | None = None) -> dict:
-        return {"replica": self.name, "pid": os.getpid(), "healthy": self.loop.is_alive, "engine": "tokendance",
-                "node": ray.get_runtime_context().get_node_id()}
-
-    def placements(self, route: Route | None = None) -> dict:
-        return {"replica": self.name, "keys": self.placed.keys()}
+from tokendance.server.fleet.replica import REPLICA_FAILURES, REPLICA_HEADER, ROUND_GROUP_HEADER, ReplicaGone
 
 
 @dataclass(frozen=True)
@@ -431,58 +285,3 @@ def _headers(start: dict) -> dict:
 
 def _error(error: ApiError, retry_after: bool = False) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers={"Retry-After": "1"} if retry_after else None)
-
-
-def _wait_until_routable(args, server_config, timeout_s: float = 300) -> None:
-    """Until the ingress's router sees every replica (Ray reports the app ready before that, and
-    a first round placed meanwhile would all land on the one it knows)."""
-    import urllib.request
-
-    headers = {"Authorization": f"Bearer {server_config.api_keys[0]}"} if server_config.api_keys else {}
-    url, deadline = f"http://{args.host}:{args.port}/v1/replicas", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
-                if len(json.load(response)["data"]) >= args.replicas:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    log.warning("not every replica is routable after %.0f s; serving anyway", timeout_s)
-
-
-def run_replicas(args, llm_args: dict, server_config) -> int:
-    """Start (or join, with --ray-address) a Ray cluster, deploy the ingress and K replicas, and
-    serve until interrupted."""
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    if args.ray_address:
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
-    else:  # a Ray instance of its own: never whatever cluster RAY_ADDRESS or Ray's address file names
-        os.environ.pop("RAY_ADDRESS", None)
-        # one logical CPU beyond the replicas': a router's helper actor (the prefix tree of Ray's
-        # PrefixCacheAffinityRouter) needs one to be placed, and without it every request waits
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
-                 num_cpus=max(os.cpu_count() or 1, args.replicas * threads) + 1)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    options = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": threads},
-               "request_router_config": router_config(args.router)}
-    if args.engine == "vllm":
-        from tokendance.server.vllm_replica import VllmReplica, vllm_launch
-
-        engine = VllmReplica.options(**options).bind(vllm_launch(args, threads, server_config))
-    else:
-        engine = EngineReplica.options(**options).bind({**llm_args, "num_threads": threads}, server_config,
-                                                       args.warm_up)
-    fleet = FleetConfig(args.replicas, args.max_round_agents, server_config.gather_window_s, server_config.round_timeout_s)
-    serve.run(Ingress.bind(engine, server_config, fleet), name="tokendance", route_prefix="/")
-    _wait_until_routable(args, server_config)
-    print(f"serving {server_config.model_name or 'the model'} on {args.replicas} {args.engine} replicas "
-          f"({threads} threads each, router {args.router}) on http://{args.host}:{args.port}/v1", flush=True)
-    stopped: list[int] = []  # a flag only: a handler that takes a lock can deadlock on a second signal
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda number, _frame: stopped.append(number))
-    while not stopped:
-        time.sleep(0.2)
-    serve.shutdown()
-    ray.shutdown()
-    return 0
