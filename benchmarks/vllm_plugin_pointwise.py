@@ -1,4 +1,4 @@
-"""The mirrors' pass with the engine's fused element-wise kernels (`vllm_plugin/cpu_ops.py`: RMSNorm
+"""The mirrors' pass with the engine's fused element-wise kernels (`vllm_plugin/worker/pointwise.py`: RMSNorm
 and SiLU-and-multiply) against vLLM's native forms run eagerly, side by side in one process,
 alternating, on Generative Agents round 1 (the largest pass):
 
@@ -31,7 +31,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from tokendance.model.platform import probe_cpu
-    from tokendance.vllm_plugin import mirror_pass
+    from tokendance.vllm_plugin.worker import mirror_pass
     from tokendance.vllm_plugin.model_folder import default_model_folder
     from tokendance.workloads import make_workload
 

@@ -42,7 +42,7 @@ def main() -> int:
     from tokendance.vllm_plugin.model_folder import default_model_folder
     from tokendance.workloads import make_workload
 
-    from tokendance.vllm_plugin import store as store_module
+    from tokendance.vllm_plugin.worker import store as store_module
 
     restoring = [0.0]  # seconds reading the store back (vLLM's in-process metrics keep counters whole)
     rows = store_module.SessionStore.rows

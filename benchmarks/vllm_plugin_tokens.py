@@ -17,8 +17,8 @@ import math
 from tokendance.model.loader import load_tokenizer
 from tokendance.registry import DEFAULT_RECOMPUTE_RATIO
 from tokendance.round_core.spans import common_prefix
-from tokendance.vllm_plugin.round_book import RoundBook
-from tokendance.vllm_plugin.rounds import RoundTag
+from tokendance.vllm_plugin.scheduler.round_book import RoundBook
+from tokendance.vllm_plugin.scheduler.members import RoundTag
 from tokendance.workloads import make_workload
 
 

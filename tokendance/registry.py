@@ -40,10 +40,10 @@ MASTERS = {  # where the base KV of a round's shared spans is computed (tokendan
     "agent": "in the context of an agent holding them (its persona, memories, ...), that agent exact",
 }
 TRANSPARENT_RULES = {  # which chat requests the vLLM plugin's endpoint holds for a transparent round
-    "shared": Choice("tokendance.vllm_plugin.gathering:AnyText",
+    "shared": Choice("tokendance.vllm_plugin.http.gathering:AnyText",
                      "any chat request that comes while another is at the endpoint; those sharing a line outside "
                      "their common prefix form a round, whoever wrote it"),
-    "quotes": Choice("tokendance.vllm_plugin.gathering:RecentReplies",
+    "quotes": Choice("tokendance.vllm_plugin.http.gathering:RecentReplies",
                      "only chat requests quoting a line a reply of this server wrote lately"),
 }
 DTYPES = {

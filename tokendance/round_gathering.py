@@ -1,5 +1,5 @@
 """Turning chat requests into rounds, by one rule for both front doors: `tokendance serve`
-(`server/app.py`, `server/engine_loop.py`) and the vLLM plugin's endpoint (`vllm_plugin/gathering.py`).
+(`server/app.py`, `server/engine_loop.py`) and the vLLM plugin's endpoint (`vllm_plugin/http/gathering.py`).
 
 Three ways into a round:
 

@@ -16,8 +16,8 @@ from tokendance.reuse.collector import plan_masters, plan_sources
 from tokendance.reuse.round_kv import AgentPrefill
 from tokendance.reuse.segments import tokenize_round
 from tokendance.round_core import planning
-from tokendance.vllm_plugin.round_book import RoundBook
-from tokendance.vllm_plugin.rounds import RoundTag
+from tokendance.vllm_plugin.scheduler.round_book import RoundBook
+from tokendance.vllm_plugin.scheduler.members import RoundTag
 from tokendance.workloads import make_workload
 
 

@@ -9,7 +9,7 @@ import pytest
 from tokendance.round_protocol import (MAX_AGENTS, MAX_SALT_CHARS, REFUSED, STATS_FIELDS, RoundFieldError,
                                        check_chat_fields, check_completion_fields, check_round_request, refusal,
                                        refused_field, round_answer, sum_usage, turn_salt)
-from tokendance.vllm_plugin.endpoint import agent_refusal, round_requests, round_response, tag_body
+from tokendance.vllm_plugin.http.endpoint import agent_refusal, round_requests, round_response, tag_body
 
 
 def test_a_round_refuses_the_fields_it_does_not_serve_and_names_them():
@@ -167,7 +167,7 @@ def test_a_round_member_without_an_agent_id_is_an_agent_of_its_own():
 def test_the_plugins_endpoint_refuses_what_nests_too_deeply_for_vllm():
     """vLLM answered 500 for a tool call's arguments nesting past the JSON parser's recursion (it
     parses them to render the prompt): the endpoint names the field first."""
-    from tokendance.vllm_plugin.endpoint import too_deep
+    from tokendance.vllm_plugin.http.endpoint import too_deep
 
     deep = "[" * 100_000
     call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}
@@ -184,7 +184,7 @@ def test_a_clients_own_round_tag_is_checked_on_every_route():
     import asyncio
     import json
 
-    from tokendance.vllm_plugin.endpoint import RoundFields
+    from tokendance.vllm_plugin.http.endpoint import RoundFields
 
     def status(path: str, body, method: str = "POST", content_type: bytes = b"application/json") -> tuple[int, bytes]:
         reached = []

@@ -1,4 +1,4 @@
-"""Transparent rounds at the vLLM plugin's front door (`tokendance/vllm_plugin/gathering.py`): which
+"""Transparent rounds at the vLLM plugin's front door (`tokendance/vllm_plugin/http/gathering.py`): which
 chat requests wait (never a lone one; under the `quotes` rule only those quoting a reply), how they
 become a round's members, whose salt they take, what a reply teaches the gatherer; no server needed
 (the middleware is driven as ASGI)."""
@@ -11,8 +11,8 @@ import pytest
 
 from tokendance.round_gathering import NEXT_BURST_S, Door
 from tokendance.round_protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
-from tokendance.vllm_plugin.endpoint import RoundFields, connector_settings, tag_body
-from tokendance.vllm_plugin.gathering import (SERVER_AGENT_PREFIXES, Gathering, RecentReplies, conversation_id,
+from tokendance.vllm_plugin.http.endpoint import RoundFields, connector_settings, tag_body
+from tokendance.vllm_plugin.http.gathering import (SERVER_AGENT_PREFIXES, Gathering, RecentReplies, conversation_id,
                                               reply_texts)
 
 SAID = ["Abigail thinks the library should stay open until nine every evening.",

@@ -69,8 +69,8 @@ def layer0_moved(prompts: dict) -> dict:
     K/V at a position depend on the token alone): the keys' relative error, the values' max error."""
     import torch
 
-    from tokendance.vllm_plugin import handoff
-    from tokendance.vllm_plugin.mirror_pass import KeyRotator
+    from tokendance.vllm_plugin import model_handoff as handoff
+    from tokendance.vllm_plugin.worker.mirror_pass import KeyRotator
 
     model = handoff.model()
     inner = getattr(model, "model", model)

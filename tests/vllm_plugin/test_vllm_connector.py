@@ -295,10 +295,10 @@ def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm
     engine serves on (each stage's round runs after the previous one's failure)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tokendance.vllm_plugin import handoff
-    from tokendance.vllm_plugin.round_book import RoundBook
-    from tokendance.vllm_plugin.store import SessionStore
-    from tokendance.vllm_plugin.mirror_pass import MirrorPass
+    from tokendance.vllm_plugin import model_handoff as handoff
+    from tokendance.vllm_plugin.scheduler.round_book import RoundBook
+    from tokendance.vllm_plugin.worker.store import SessionStore
+    from tokendance.vllm_plugin.worker.mirror_pass import MirrorPass
 
     def fail(*args, **kwargs):
         raise RuntimeError("injected by the test")
@@ -430,7 +430,7 @@ def test_the_scheduler_side_runs_without_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, tokendance.vllm_plugin.scheduler_side, tokendance.vllm_plugin.settings; "
+    code = ("import sys, tokendance.vllm_plugin.scheduler.side, tokendance.vllm_plugin.settings; "
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -443,7 +443,7 @@ def test_only_the_servers_gathering_makes_an_unsalted_member_transparent():
     unsalted prefix cache."""
     from types import SimpleNamespace
 
-    from tokendance.vllm_plugin.scheduler_side import SchedulerSide
+    from tokendance.vllm_plugin.scheduler.side import SchedulerSide
     from tokendance.vllm_plugin.settings import Settings
 
     tag = {"round_id": "r", "agent_id": "a", "round_size": 2, "transparent": True}

@@ -123,7 +123,7 @@ def test_every_model_runner_of_this_vllm_hands_its_model_over():
     """The handoff wraps `load_model` of each runner vLLM may pick, Model Runner V2's GPU runner
     (vLLM's default wherever Triton is installed) included; on a GPU without it every pass would
     fail. (Only the CPU runner loads a model here: no GPU.)"""
-    from tokendance.vllm_plugin import handoff
+    from tokendance.vllm_plugin import model_handoff as handoff
 
     handoff.install()
     names = {f"{cls.__module__}.{cls.__name__}": cls for cls in handoff.runner_classes()}

@@ -26,7 +26,7 @@ def test_the_package_imports_neither_torch_nor_vllm_nor_the_engine():
     assert {"torch", "vllm", "tokendance.llm", "tokendance.engine"} & modules == set()
 
 
-@pytest.mark.parametrize("module", ["tokendance.vllm_plugin.scheduler_side", "tokendance.vllm_plugin.plan"])
+@pytest.mark.parametrize("module", ["tokendance.vllm_plugin.scheduler.side", "tokendance.vllm_plugin.step_plan"])
 def test_the_scheduler_side_imports_neither_torch_nor_vllm(module):
     modules = loaded_modules(module)
     assert {"torch", "vllm"} & modules == set()

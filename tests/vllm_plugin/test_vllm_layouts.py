@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import has_avx512
-from tokendance.vllm_plugin.layouts import FlashLayout
+from tokendance.vllm_plugin.worker.layouts import FlashLayout
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 16, 64
 
@@ -48,7 +48,7 @@ def test_cpu_layout_reads_and_writes_as_vllms_cpu_write_op(isa, dtype):
     on any x86 CPU; only its attention needs AMX): the probed layout reads what the op wrote, and
     its own write lays the bytes out exactly as the op does."""
     ops = pytest.importorskip("vllm._custom_ops")
-    from tokendance.vllm_plugin.layouts import CpuLayout, probe_cpu_regions
+    from tokendance.vllm_plugin.worker.layouts import CpuLayout, probe_cpu_regions
 
     block = 32  # the AMX layout needs a multiple of 32
     cache = torch.zeros(NUM_BLOCKS, HEADS, block, 2 * DIM, dtype=dtype)
@@ -72,7 +72,7 @@ def test_the_amx_packed_bf16_cache_is_laid_out_unlike_the_vec_one():
     """The probe learns a layout, it does not assume one: bf16 keys under AMX are packed in pairs
     of dims, so reading that cache as `vec` would be wrong."""
     pytest.importorskip("vllm._custom_ops")
-    from tokendance.vllm_plugin.layouts import probe_cpu_regions
+    from tokendance.vllm_plugin.worker.layouts import probe_cpu_regions
 
     amx = probe_cpu_regions("amx", torch.bfloat16, 32, HEADS, DIM)
     vec = probe_cpu_regions("vec", torch.bfloat16, 32, HEADS, DIM)
@@ -97,7 +97,7 @@ def test_rotated_keys_equal_keys_computed_at_the_new_position(name):
     rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from tokendance.vllm_plugin.mirror_pass import KeyRotator
+    from tokendance.vllm_plugin.worker.mirror_pass import KeyRotator
 
     with set_current_vllm_config(VllmConfig()):
         rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES[name], dtype=torch.float32)
@@ -121,7 +121,7 @@ def test_anchor_sources_read_the_mean_of_their_encodings_at_the_readers_position
     rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from tokendance.vllm_plugin.mirror_pass import KeyRotator, Sources
+    from tokendance.vllm_plugin.worker.mirror_pass import KeyRotator, Sources
 
     with set_current_vllm_config(VllmConfig()):
         rope = rope_module.get_rope(DIM, 4096, is_neox_style=True, rope_parameters=ROPES["default"], dtype=torch.float32)

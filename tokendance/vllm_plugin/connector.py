@@ -17,10 +17,10 @@ workers' memory, and read back where vLLM's prefix cache lost it: `store.py`),
 `transparent_rule` (`shared`: which ones it holds; `quotes`) and `gather_window_s` (0.05).
 
 Split by role, as vLLM's larger connectors are: this facade, the scheduler side in the engine core
-(`scheduler_side.py`: the round book of `round_book.py` holds mirrors until their masters are computed,
+(`scheduler/side.py`: the round book of `scheduler/round_book.py` holds mirrors until their masters are computed,
 pins the blocks claims read and claims each member's range; plain Python, no vLLM import), the
-worker side in each worker (`worker_side.py`: one pass over the mirrors admitted in a step, before
-vLLM's forward, `mirror_pass.py`; the session store's work), and what passes between them (`plan.py`).
+worker side in each worker (`worker/side.py`: one pass over the mirrors admitted in a step, before
+vLLM's forward, `worker/mirror_pass.py`; the session store's work), and what passes between them (`step_plan.py`).
 Whatever it cannot do (a model, layout or config it does not know, a master gone, a timeout) is
 computed by vLLM exactly, and so is whatever fails on either side: such a failure is counted
 (`mirrors_failed{reason}`) and logged, and never stops the engine or fails a request. The workers
@@ -31,7 +31,7 @@ it.
 Approximate KV goes into vLLM's prefix cache under the mirror's own `cache_salt`: a mirror
 without a salt is computed exactly, so no other request can take reused KV for an exact hit. The
 exception is a member the endpoint gathered from a conversation (`transparent` in its tag,
-`gathering.py`): its agent is its prompt's first message, and vLLM's block hashes, chained from
+`http/gathering.py`): its agent is its prompt's first message, and vLLM's block hashes, chained from
 position 0, already keep its KV to requests that agree with it token for token up to there.
 """
 
@@ -49,11 +49,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tokendance.vllm_plugin import handoff
-from tokendance.vllm_plugin.plan import StepOrders
-from tokendance.vllm_plugin.scheduler_side import SchedulerSide
+from tokendance.vllm_plugin import model_handoff as handoff
+from tokendance.vllm_plugin.step_plan import StepOrders
+from tokendance.vllm_plugin.scheduler.side import SchedulerSide
 from tokendance.vllm_plugin.settings import Settings
-from tokendance.vllm_plugin.worker_side import WorkerSide
+from tokendance.vllm_plugin.worker.side import WorkerSide
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -143,7 +143,7 @@ def tensor_parallel_rank() -> int:
 
 class TokenDanceConnector(KVConnectorBase_V1):
     """The facade vLLM builds, once per role: in the engine core it hands everything to the
-    scheduler side (`scheduler_side.py`), in each worker to the worker side (`worker_side.py`);
+    scheduler side (`scheduler/side.py`), in each worker to the worker side (`worker/side.py`);
     what one tells the other is `StepOrders` (in `TokenDanceMetadata`), `StoreReport` and the
     finished request ids."""
 

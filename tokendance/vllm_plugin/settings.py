@@ -23,7 +23,7 @@ class Settings:
     pass_tokens_per_step: int = 0
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
     store_gib: float = 0.0  # the session store's budget (0: no store)
-    # the endpoint gathers chat requests that name no round into rounds (`gathering.py`)
+    # the endpoint gathers chat requests that name no round into rounds (`http/gathering.py`)
     transparent_rounds: bool = False
     transparent_rule: str = DEFAULT_TRANSPARENT_RULE  # ... which requests it holds (registry.TRANSPARENT_RULES)
     gather_window_s: float = 0.05  # ... closing a gathering once no candidate came for this long

@@ -7,7 +7,7 @@
   client's `cache_salt`, which also names the round's namespace). Existing clients and
   `tokendance bench --target URL --declare-rounds` work unchanged against `vllm serve`. With the
   connector's `transparent_rounds`, it also gathers chat requests that name no round into rounds
-  (`gathering.py`). A round tag the client wrote itself (`kv_transfer_params.tokendance`) is
+  (`http/gathering.py`). A round tag the client wrote itself (`kv_transfer_params.tokendance`) is
   checked in any request body, whatever its route: every route vLLM has that forwards
   `kv_transfer_params` (chat, completions, responses, `/v1/messages`, `/cohere/v2/chat`,
   `/inference/v1/generate`) and any it adds.
@@ -34,8 +34,8 @@ from tokendance.convergence import repeated_replies
 from tokendance.round_protocol import (RESERVED_AGENT_PREFIXES, ROUND_FIELDS, RoundFieldError, agent_output,
                                        agent_salt, check_chat_fields, check_completion_fields, check_round_request,
                                        round_answer, turn_salt, turn_usage)
-from tokendance.vllm_plugin.gathering import Gathering
-from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.http.gathering import Gathering
+from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag
 from tokendance.vllm_plugin.settings import Settings
 
 TAGGED_PATHS = ("/v1/chat/completions", "/v1/completions")

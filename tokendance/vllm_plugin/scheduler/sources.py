@@ -1,7 +1,7 @@
 """The plugin's side of a round's plan, on token ids: each member's reused pieces and their
 sources by the round core's planning (`round_core/planning.py`, the engine's too), and what fills
 a claim: its agent's history at the same positions, its masters' pieces, its own pieces that
-moved. Functions that read members and return plans; the round book (`round_book.py`) applies them.
+moved. Functions that read members and return plans; the round book (`scheduler/round_book.py`) applies them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from tokendance.round_core import planning
 from tokendance.round_core.spans import Span, common_prefix, overlap
-from tokendance.vllm_plugin.plan import ReusedSpan
-from tokendance.vllm_plugin.rounds import Member, Session
-from tokendance.vllm_plugin.store_index import StoredAgent
+from tokendance.vllm_plugin.step_plan import ReusedSpan
+from tokendance.vllm_plugin.scheduler.members import Member, Session
+from tokendance.vllm_plugin.scheduler.store_index import StoredAgent
 
 # (mirror start, length, [(source member, source start), ...]): a piece and every member computing it
 Sourced = tuple[int, int, list[tuple[Member, int]]]

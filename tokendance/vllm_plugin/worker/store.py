@@ -1,5 +1,5 @@
 """Master-Mirror storage of agents at rest, outside vLLM's pool (`store_gib`): the worker's
-`SessionStore` (torch). The scheduler's index of it is `store_index.py`.
+`SessionStore` (torch). The scheduler's index of it is `scheduler/store_index.py`.
 
 vLLM 0.32 cannot map one block into two requests' tables at different positions, so an agent that
 is running holds dense KV in the pool. Between its turns it need not: when an agent's request

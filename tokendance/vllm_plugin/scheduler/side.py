@@ -1,8 +1,8 @@
-"""The connector's scheduler side, in vLLM's engine core: the round book (`round_book.py`) holds
+"""The connector's scheduler side, in vLLM's engine core: the round book (`scheduler/round_book.py`) holds
 mirrors until their masters are computed, pins the blocks their claims read (masters', first
 holders', the agent's previous request's), claims each member's range and tells the workers, step
 by step, what to fill (`StepOrders`); with the session store, it keeps the store's index
-(`store_index.py`) and orders its saves and drops.
+(`scheduler/store_index.py`) and orders its saves and drops.
 
 Plain Python over the objects vLLM hands a connector (requests, the block pool, the KV cache
 manager, the scheduler's output): no vLLM import, so it runs without vLLM.
@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.round_core.spans import Boundaries
-from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.round_book import RoundBook
-from tokendance.vllm_plugin.rounds import RoundParamsError, RoundTag
-from tokendance.vllm_plugin.store_index import StoreIndex
+from tokendance.vllm_plugin.step_plan import MirrorLoad, StepOrders
+from tokendance.vllm_plugin.scheduler.round_book import RoundBook
+from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
 

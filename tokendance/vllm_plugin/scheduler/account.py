@@ -1,6 +1,6 @@
 """The token account of a round's members: every prompt token beyond vLLM's own prefix hit, by who
 computes it and why (`computed_tokens.<reason>`) or how a claim fills it. The round book counts
-each member once, when vLLM first allocates it (`round_book.py`); the connector reports the sums
+each member once, when vLLM first allocates it (`scheduler/round_book.py`); the connector reports the sums
 on /metrics.
 """
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 from tokendance.round_core.spans import common_prefix
 from tokendance.round_core.spans import overlap
-from tokendance.vllm_plugin.rounds import Member, Session
+from tokendance.vllm_plugin.scheduler.members import Member, Session
 
 
 def count_tokens(member: Member, session: Session | None, min_piece_tokens: int) -> Counter:

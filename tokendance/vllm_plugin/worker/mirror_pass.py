@@ -31,11 +31,11 @@ from torch import nn
 
 from tokendance.model import kernels
 from tokendance.model.kv_math import angles_between, key_deviation, rotate_pairs, weighted_mean
-from tokendance.vllm_plugin.cpu_ops import fused_pointwise
+from tokendance.vllm_plugin.worker.pointwise import fused_pointwise
 from tokendance.reuse.selection import Selector, make_selector
-from tokendance.vllm_plugin.layouts import PagedLayout
-from tokendance.vllm_plugin.plan import MirrorLoad
-from tokendance.vllm_plugin.store import RestoreError
+from tokendance.vllm_plugin.worker.layouts import PagedLayout
+from tokendance.vllm_plugin.step_plan import MirrorLoad
+from tokendance.vllm_plugin.worker.store import RestoreError
 
 
 class UnsupportedModel(Exception):

@@ -1,8 +1,8 @@
 """The scheduler side's rounds, in four modules: the round and its members here (the tag a request
 joins by, what each member is and holds); the round book, membership and arrival, claims and pins
-(`round_book.py`); the plugin's side of the plan (`round_planning.py`, on the round core's
+(`scheduler/round_book.py`); the plugin's side of the plan (`scheduler/sources.py`, on the round core's
 `round_core/planning.py`, which the engine plans with too); and the token account
-(`round_account.py`). Plain Python over token ids; no forward passes, no vLLM types.
+(`scheduler/account.py`). Plain Python over token ids; no forward passes, no vLLM types.
 
 A request joins a round through its `kv_transfer_params`:
     {"tokendance": {"round_id": "r7", "round_size": 16, "agent_id": "alice", "namespace": ""}}
@@ -30,7 +30,7 @@ from typing import Any
 
 from tokendance.registry import MAX_ANCHORS, valid_anchors
 from tokendance.round_core.spans import Span
-from tokendance.vllm_plugin.plan import ReusedSpan
+from tokendance.vllm_plugin.step_plan import ReusedSpan
 
 
 class RoundParamsError(ValueError):
@@ -45,7 +45,7 @@ class RoundTag:
     namespace: str = ""
     recompute_ratio: float | None = None  # None: the connector's setting
     anchors: int | None = None  # in-round anchors of its round (the first member's); None: the connector's
-    # a member the endpoint gathered (`gathering.py`), identified by its prompt's first message: it
+    # a member the endpoint gathered (`http/gathering.py`), identified by its prompt's first message: it
     # needs no salt of its own (vLLM's block hashes chain its tokens from position 0)
     transparent: bool = False
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokendance.vllm_plugin.store_index import SaveOrder
+from tokendance.vllm_plugin.scheduler.store_index import SaveOrder
 
 
 @dataclass

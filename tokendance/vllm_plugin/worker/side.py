@@ -1,6 +1,6 @@
 """The connector's worker side, in each of vLLM's workers: runs the steps' orders (`StepOrders`)
 from the scheduler side, in order: the session store's saves, drops and closed rounds, then the
-mirrors' passes (`mirror_pass.py`), one per step, whole or advanced by the step's budget; reports what
+mirrors' passes (`worker/mirror_pass.py`), one per step, whole or advanced by the step's budget; reports what
 ended (`get_finished`), what failed (load errors) and what the store holds.
 
 Nothing that fails here stops vLLM's engine or fails a request: `_failed` counts the failure by
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from tokendance.vllm_plugin import handoff
-from tokendance.vllm_plugin.plan import MirrorLoad, StepOrders
-from tokendance.vllm_plugin.store import RestoreError, SessionStore
-from tokendance.vllm_plugin.store_index import SaveOrder
+from tokendance.vllm_plugin import model_handoff as handoff
+from tokendance.vllm_plugin.step_plan import MirrorLoad, StepOrders
+from tokendance.vllm_plugin.worker.store import RestoreError, SessionStore
+from tokendance.vllm_plugin.scheduler.store_index import SaveOrder
 
 logger = logging.getLogger("tokendance.vllm")
 
@@ -54,7 +54,7 @@ class WorkerSide:
 
     def _pass(self):
         if self.mirror_pass is None:
-            from tokendance.vllm_plugin.mirror_pass import MirrorPass
+            from tokendance.vllm_plugin.worker.mirror_pass import MirrorPass
 
             self.mirror_pass = MirrorPass(handoff.model(), handoff.layouts(self.vllm_config, self.kv_caches),
                                           self.block_size, self.settings.selection, self.settings.recompute_ratio,

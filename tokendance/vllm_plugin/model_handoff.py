@@ -76,8 +76,8 @@ def layer_index(name: str) -> int:
 def layouts(vllm_config, kv_caches: dict) -> list:
     """The layout of each decoder layer's KV cache, in layer order; UnsupportedModel if one has
     no reader here."""
-    from tokendance.vllm_plugin.layouts import find_layout
-    from tokendance.vllm_plugin.mirror_pass import UnsupportedModel
+    from tokendance.vllm_plugin.worker.layouts import find_layout
+    from tokendance.vllm_plugin.worker.mirror_pass import UnsupportedModel
 
     context = vllm_config.compilation_config.static_forward_context
     block_size = vllm_config.cache_config.block_size

@@ -1,7 +1,7 @@
-"""The round book: membership and arrival of the scheduler side's rounds (`rounds.py`), each
+"""The round book: membership and arrival of the scheduler side's rounds (`scheduler/members.py`), each
 member's claim as its sources become readable, vLLM's commits, the pins that keep masters' blocks
-until their readers are filled, and agents' sessions. The plans it applies are `round_planning.py`'s;
-the tokens it counts, `round_account.py`'s.
+until their readers are filled, and agents' sessions. The plans it applies are `scheduler/sources.py`'s;
+the tokens it counts, `scheduler/account.py`'s.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokendance.round_core.spans import Boundaries, cut_spans
-from tokendance.vllm_plugin.plan import ReusedSpan
-from tokendance.vllm_plugin.round_account import count_tokens
-from tokendance.vllm_plugin.round_planning import Recall, Sourced, SpanPlanner, plan_round, trim
-from tokendance.vllm_plugin.rounds import Member, Round, RoundTag, Session
-from tokendance.vllm_plugin.store_index import StoreIndex
+from tokendance.vllm_plugin.step_plan import ReusedSpan
+from tokendance.vllm_plugin.scheduler.account import count_tokens
+from tokendance.vllm_plugin.scheduler.sources import Recall, Sourced, SpanPlanner, plan_round, trim
+from tokendance.vllm_plugin.scheduler.members import Member, Round, RoundTag, Session
+from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 
 class RoundBook:
@@ -166,7 +166,7 @@ class RoundBook:
         return end - num_computed
 
     def _fill(self, member: Member, sources: list[Sourced], start: int, moved: bool = True) -> None:
-        """Sets what fills a member's claim from `start` (`round_planning.SpanPlanner`), the session
+        """Sets what fills a member's claim from `start` (`sources.SpanPlanner`), the session
         blocks it reads (the connector pins them) and the store entry it reads."""
         recall = self._recall(member)
         member.spans = self.planner.claim_spans(member, sources, start, recall, moved)
@@ -313,7 +313,7 @@ class RoundBook:
         return {key: value for key, value in counters.items() if value}
 
     def _count(self, member: Member) -> None:
-        """A member's prompt tokens by who computes them and why (`round_account.count_tokens`),
+        """A member's prompt tokens by who computes them and why (`account.count_tokens`),
         counted once, when it is first allocated."""
         if member.counted:
             return
@@ -322,7 +322,7 @@ class RoundBook:
         self.counters.update(count_tokens(member, session, self.min_piece_tokens))
 
     def _plan(self, round_: Round) -> None:
-        """Each member's role and sources (`round_planning.plan_round`), applied."""
+        """Each member's role and sources (`sources.plan_round`), applied."""
         round_.planned = True
         members = list(round_.members.values())
         round_.largest_blocks = max(len(m.token_ids) // self.block_size + 2 for m in members)
