@@ -50,7 +50,8 @@ def plugin_plan(tokenizer, turns) -> tuple[dict, dict]:
     out, pieces = {}, {}
     for t in turns:
         member = book.find(t.agent_id)
-        reused = {(s, s + n): [(m.tag.agent_id, at) for m, at in sources] for s, n, sources in member.reusable}
+        reused = {(r.start, r.start + r.length): [(h.member.tag.agent_id, h.start) for h in r.sources]
+                  for r in member.reusable}
         out[t.agent_id] = (member.role, reused, list(member.provides))
         pieces[t.agent_id] = [(p.start, p.end) for p in member.pieces]
     return out, pieces

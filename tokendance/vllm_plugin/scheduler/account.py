@@ -56,7 +56,7 @@ def _computed_beside_claim(member: Member, session: Session | None, history: int
     counts: Counter = Counter()
     moved = [(p.start, p.end) for p in member.pieces
              if session and p.key in session.pieces and p.end - p.start >= min_piece_tokens]
-    masters = {id(m): m for _, _, sources in member.reusable for m, _ in sources}
+    masters = {id(h.member): h.member for r in member.reusable for h in r.sources}
     prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
     prefix = max(prefix, history)
     unmastered = [(p.start, p.end) for p in member.pieces if p.key in member.unmastered]

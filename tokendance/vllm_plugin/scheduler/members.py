@@ -93,10 +93,27 @@ class Session:
     block_hashes: list[Any] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Held:
+    """A member that computes a piece, and where the piece starts in its prompt."""
+
+    member: "Member"
+    start: int
+
+
+@dataclass(frozen=True)
+class Reusable:
+    """A piece a mirror reuses: where it starts in the mirror's prompt, its length, and every member
+    that computes it (`sources`: the first is read, the others are the anchors averaged with it)."""
+
+    start: int
+    length: int
+    sources: list[Held]
+
+
 @dataclass
 class Member:
-    """One request of a round. A mirror's `reusable`: (mirror start, length, [(master, master
-    start), ...]): each piece with every master (anchor) that computes it."""
+    """One request of a round. A mirror's `reusable`: each piece it reuses, with its sources."""
 
     request_id: str
     tag: RoundTag
@@ -104,7 +121,7 @@ class Member:
     arrived: float
     pieces: list[Span] = field(default_factory=list)  # its prompt cut (`round_core.spans.cut_spans`)
     role: str = "waiting"  # waiting -> master | mirror | exact
-    reusable: list[tuple[int, int, list[tuple["Member", int]]]] = field(default_factory=list)
+    reusable: list[Reusable] = field(default_factory=list)
     unmastered: set[bytes] = field(default_factory=set)  # a mirror's shared pieces no master holds
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
     claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)

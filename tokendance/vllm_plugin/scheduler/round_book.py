@@ -14,8 +14,8 @@ from typing import Any
 from tokendance.round_core.spans import Boundaries, cut_spans
 from tokendance.vllm_plugin.step_plan import ReusedSpan
 from tokendance.vllm_plugin.scheduler.account import count_tokens
-from tokendance.vllm_plugin.scheduler.sources import Recall, Sourced, SpanPlanner, plan_round, trim
-from tokendance.vllm_plugin.scheduler.members import Member, Round, RoundTag, Session
+from tokendance.vllm_plugin.scheduler.sources import Recall, SpanPlanner, plan_round, trim
+from tokendance.vllm_plugin.scheduler.members import Member, Reusable, Round, RoundTag, Session
 from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 
@@ -114,7 +114,7 @@ class RoundBook:
         """A mirror's claim once its sources are readable: up to the end of its last reused piece
         (or of the pieces it provides), within this step's claim budget."""
         sources, waiting = self._readable_sources(member, num_computed)
-        masters = {id(m): m for _, _, held in sources for m, _ in held if m.role == "master"}
+        masters = {id(h.member): h.member for r in sources for h in r.sources if h.member.role == "master"}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
             member.role = "exact"
             return 0
@@ -137,17 +137,17 @@ class RoundBook:
         member.claim = (num_computed, end)
         return count
 
-    def _readable_sources(self, member: Member, num_computed: int) -> tuple[list[Sourced], bool]:
+    def _readable_sources(self, member: Member, num_computed: int) -> tuple[list[Reusable], bool]:
         """A mirror's reusable pieces past `num_computed` whose first source can be read (a master,
         a first holder whose pass is confirmed or runs in this step), and whether it waits for one
         that cannot be read yet. A piece whose first holder computed it in no pass (exact, or gone)
         is computed in the mirror's claim."""
         sources, waiting = [], False
-        for s, n, held in trim(member.reusable, num_computed):
-            first = held[0][0]
+        for piece in trim(member.reusable, num_computed):
+            first = piece.sources[0].member
             filled = first.ready and first.provides_later and self.step - first.sent_step >= self.confirm_steps
             if first.role == "master" or filled or (first.committed and not first.loaded):
-                sources.append((s, n, held))
+                sources.append(piece)
             elif first.role == "mirror" and not first.finished and first.provides_later:
                 waiting = True  # the piece's first holder is not admitted yet, or its pass not confirmed
         return sources, waiting
@@ -165,7 +165,7 @@ class RoundBook:
         member.claim = (num_computed, end)
         return end - num_computed
 
-    def _fill(self, member: Member, sources: list[Sourced], start: int, moved: bool = True) -> None:
+    def _fill(self, member: Member, sources: list[Reusable], start: int, moved: bool = True) -> None:
         """Sets what fills a member's claim from `start` (`sources.SpanPlanner`), the session
         blocks it reads (the connector pins them) and the store entry it reads."""
         recall = self._recall(member)
@@ -226,9 +226,8 @@ class RoundBook:
         holds): (key, its block ids, its start, length), the KV the session store keeps as each
         piece's master once the mirror's pass has run."""
         keys = {p.start: p.key for p in member.pieces}
-        return [(keys[s], first.block_ids, at, n) for s, n, ((first, at), *more) in member.reusable
-                if not more and s in keys and (first.role == "master" or (first.provides_end and first.ready
-                                                                           and first.provides_later and not first.finished))]
+        return [(keys[r.start], r.sources[0].member.block_ids, r.sources[0].start, r.length) for r in member.reusable
+                if len(r.sources) == 1 and r.start in keys and _reads_back(r.sources[0].member)]
 
     def round_of(self, request_id: str) -> int:
         return self.members[request_id][0].serial
@@ -337,3 +336,9 @@ class RoundBook:
             member.provides = [(p.start, p.end) for p in plan.provides]
             member.provides_end = max((p.end for p in plan.provides), default=0)
             self.counters[f"members.{member.role}"] += 1
+
+
+def _reads_back(first: Member) -> bool:
+    """A piece's only source keeps it readable as the session store's master: a master, or a first
+    holder whose pass ran and whose blocks are pinned."""
+    return first.role == "master" or bool(first.provides_end and first.ready and first.provides_later and not first.finished)

@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from tokendance.round_core import planning
 from tokendance.round_core.spans import Span, common_prefix, overlap
 from tokendance.vllm_plugin.step_plan import ReusedSpan
-from tokendance.vllm_plugin.scheduler.members import Member, Session
+from tokendance.vllm_plugin.scheduler.members import Held, Member, Reusable, Session
 from tokendance.vllm_plugin.scheduler.store_index import StoredAgent
-
-# (mirror start, length, [(source member, source start), ...]): a piece and every member computing it
-Sourced = tuple[int, int, list[tuple[Member, int]]]
-
 
 @dataclass
 class MemberPlan:
@@ -27,7 +23,7 @@ class MemberPlan:
     holds, and those of them it computes first (the later holders read them from it)."""
 
     role: str
-    reusable: list[Sourced] = field(default_factory=list)
+    reusable: list[Reusable] = field(default_factory=list)
     unmastered: set[bytes] = field(default_factory=set)
     provides: list[Span] = field(default_factory=list)
 
@@ -48,7 +44,7 @@ def plan_round(members: Sequence[Member], anchors: int, min_piece_tokens: int,
     out = []
     for spans, plan in zip(reused_of, plans):
         lengths = {s.start: s.length for s in spans}
-        reusable = [(start, lengths[start], [(members[i], at) for i, at in sources])
+        reusable = [Reusable(start, lengths[start], [Held(members[i], at) for i, at in sources])
                     for start, sources in sorted(plan.reused.items())]
         out.append(MemberPlan(plan.role, reusable, plan.unmastered, plan.provides))
     return out
@@ -73,7 +69,7 @@ class SpanPlanner:
         self.block_size = block_size
         self.min_piece_tokens = min_piece_tokens
 
-    def claim_spans(self, member: Member, sources: list[Sourced], start: int, recall: Recall,
+    def claim_spans(self, member: Member, sources: list[Reusable], start: int, recall: Recall,
                     moved: bool = True) -> list[ReusedSpan]:
         """What fills a claim from `start` (vLLM's hit), in order: its session's history at the
         same positions (exact), then `sources`' pieces (exact where a source holds the same tokens
@@ -109,20 +105,21 @@ class SpanPlanner:
                 history = limit
         return out, history
 
-    def _from_sources(self, member: Member, sources: list[Sourced], start: int) -> list[ReusedSpan]:
+    def _from_sources(self, member: Member, sources: list[Reusable], start: int) -> list[ReusedSpan]:
         """The pieces its sources compute, from `start` on: copied layer by layer from a first
         holder in the same pass, exactly from sources that hold the same prefix, else re-rotated
         (the mean of every anchor's encoding)."""
-        same = {id(m): common_prefix(member.token_ids, m.token_ids) for _, _, held in sources for m, _ in held}
+        same = {id(h.member): common_prefix(member.token_ids, h.member.token_ids) for r in sources for h in r.sources}
         out = []
-        for s, n, held in trim(sources, start):
-            (first, at), *more = held
-            if first.role != "master" and not first.ready:  # its first holder's pass is this step's
-                out.append(ReusedSpan(s, n, first.block_ids, at, late=True))
-            elif all(ms == s and s + n <= same[id(m)] for m, ms in held):
-                out.append(ReusedSpan(s, n, first.block_ids, s, exact=True))
+        for r in trim(sources, start):
+            (first, *more), s, n = r.sources, r.start, r.length
+            if first.member.role != "master" and not first.member.ready:  # its first holder's pass is this step's
+                out.append(ReusedSpan(s, n, first.member.block_ids, first.start, late=True))
+            elif all(h.start == s and s + n <= same[id(h.member)] for h in r.sources):
+                out.append(ReusedSpan(s, n, first.member.block_ids, s, exact=True))
             else:
-                out.append(ReusedSpan(s, n, first.block_ids, at, [(m.block_ids, ms) for m, ms in more]))
+                out.append(ReusedSpan(s, n, first.member.block_ids, first.start,
+                                      [(h.member.block_ids, h.start) for h in more]))
         return out
 
     def _moved(self, member: Member, recall: Recall, start: int, taken: list[tuple[int, int]]) -> list[ReusedSpan]:
@@ -143,15 +140,15 @@ class SpanPlanner:
         return out
 
 
-def trim(reusable: list[Sourced], start: int) -> list[Sourced]:
-    """`reusable` spans (start, length, sources) from position `start` on: spans before it dropped,
-    one across it cut (its sources' starts moved alike)."""
+def trim(reusable: list[Reusable], start: int) -> list[Reusable]:
+    """`reusable` pieces from position `start` on: pieces before it dropped, one across it cut (its
+    sources' starts moved alike)."""
     out = []
-    for s, n, sources in reusable:
-        if s + n <= start:
+    for r in reusable:
+        if r.start + r.length <= start:
             continue
-        cut = max(0, start - s)
-        out.append((s + cut, n - cut, [(m, ms + cut) for m, ms in sources]))
+        cut = max(0, start - r.start)
+        out.append(Reusable(r.start + cut, r.length - cut, [Held(h.member, h.start + cut) for h in r.sources]))
     return out
 
 
