@@ -445,12 +445,13 @@ def test_only_the_servers_gathering_makes_an_unsalted_member_transparent():
 
     from tokendance.vllm_plugin.scheduler.side import SchedulerSide
     from tokendance.vllm_plugin.settings import Settings
+    from tokendance.round_core.spans import Boundaries
 
     tag = {"round_id": "r", "agent_id": "a", "round_size": 2, "transparent": True}
     request = SimpleNamespace(request_id="q", kv_transfer_params={"tokendance": tag}, cache_salt=None,
                               prompt_token_ids=[1, 2, 3])
     for transparent_rounds, admitted in ((False, False), (True, True)):
-        side = SchedulerSide(Settings(transparent_rounds=transparent_rounds), BLOCK_SIZE, frozenset(), lambda: None,
+        side = SchedulerSide(Settings(transparent_rounds=transparent_rounds), BLOCK_SIZE, Boundaries(frozenset()), lambda: None,
                              single_group=True, bytes_per_token=1)
         side.on_new_request(request)
         assert (side.book.find("q") is not None) == admitted
