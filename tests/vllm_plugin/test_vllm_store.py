@@ -175,8 +175,10 @@ def test_the_index_evicts_least_recently_used_agents_to_its_budget_but_never_a_p
     orders, drops, _ = index.take_orders()
     assert [o.entry for o in orders] == ["req-a", "req-b", "req-c"] and drops == [] and index.busy
     assert index.find(("", "a"), "a") is None  # not saved yet
-    index.reported(["req-a", "req-b", "req-c"], {"req-a": 100, "req-b": 100, "req-c": 100}, total_bytes=300)
-    assert not index.busy
+    assert index.take_counters() == {"store_saving": 3}  # the gauge a client waits on to read settled counters
+    index.reported(["req-a", "req-b"], {"req-a": 100, "req-b": 100}, total_bytes=200)
+    index.reported(["req-c", "req-c"], {"req-c": 100}, total_bytes=300)  # a report repeated counts once
+    assert not index.busy and index.take_counters() == {"store_saving": -3, "store_saves": 3}
     assert index.find(("", "a"), "other salt") is None
     index.pin(index.find(("", "a"), "a").entry)  # a is now the most recent, and read by a claim
     _, drops, _ = index.take_orders()

@@ -43,6 +43,8 @@ REUSE_COUNTERS = {
 }
 # The vLLM plugin's session store now (gauges).
 STORE_GAUGES = {"vllm:tokendance_store_bytes": "store_bytes", "vllm:tokendance_store_agents": "store_agents"}
+# The plugin's saves still being copied: its gauges and counters move until this is 0.
+SAVING = "vllm:tokendance_store_saving"
 REASON = re.compile(r'(?:reason|phase)="([^"]+)"')
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+.eE0-9naNinfINF]+)$")
 
@@ -122,6 +124,17 @@ class Client:
                 key = f"{kind}.{reason.group(1)}"
                 found[key] = found.get(key, 0.0) + value
         return found
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait (up to `timeout_s`) until the plugin's workers have copied every finished request's
+        KV into its store: vLLM does that a step after a reply's last token, so what /metrics says
+        right after a round lags it. Returns at once where the server has no store."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            saving = sum(value for name, _, value in self.metrics() or [] if name == SAVING)
+            if saving <= 0:
+                return
+            time.sleep(0.05)
 
     def store_state(self) -> dict[str, float] | None:
         """The plugin's session store (`STORE_GAUGES`), None where the server has none."""
@@ -257,6 +270,7 @@ def run_round(client: Client, workload, round_index: int, history: list, args) -
     started = time.perf_counter()
     with KVPeak(client) as kv, ThreadPoolExecutor(max_workers=len(turns)) as pool:
         replies = list(pool.map(send, turns))
+    client.settle()
     after = client.reuse_counters()
     history.append({t.agent_id: (reply.text.strip() or SILENT) for t, reply in zip(turns, replies)})
     return {

@@ -56,6 +56,8 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
 GAUGES: dict[str, tuple[str, str]] = {
     "store_bytes": ("store_bytes", "bytes the session store holds (masters, diffs, own rows)"),
     "store_agents": ("store_agents", "agents the session store holds"),
+    "store_saving": ("store_saving", "finished requests whose KV the workers are still copying into the store "
+                                     "(0: the store's gauges and the counters are settled)"),
 }
 LABEL_OF = {"rounds_complete": "complete", "rounds_timed_out": "timeout", "rounds_single": "single"}
 

@@ -69,6 +69,7 @@ class StoreIndex:
         self.latest[agent] = self.entries[entry] = stored
         self.total_bytes += stored.nbytes
         self.orders.append(SaveOrder(entry, list(block_ids), len(token_ids), pieces))
+        self._count("store_saving", 1)
 
     def find(self, agent: tuple[str, str], salt: str | None) -> StoredAgent | None:
         """The agent's saved entry under this salt (a hit refreshes it), or None."""
@@ -106,7 +107,10 @@ class StoreIndex:
         """The workers finished these saves; `sizes`: their entries' own bytes (-1: the save
         failed); `total_bytes`: the store's bytes after this step's work."""
         for entry in saved:
+            if entry not in self.sending:  # reported before: counted then
+                continue
             self.sending.discard(entry)
+            self._count("store_saving", -1)
             stored = self.entries.get(entry)
             if stored is None:
                 continue
@@ -115,7 +119,7 @@ class StoreIndex:
                 self._retire(stored)
                 continue
             stored.saved = True
-            self.counters["store_saves"] = self.counters.get("store_saves", 0) + 1
+            self._count("store_saves", 1)
         for entry, nbytes in sizes.items():
             if entry in self.entries and nbytes >= 0:
                 self.entries[entry].nbytes = nbytes
@@ -125,6 +129,9 @@ class StoreIndex:
             self.ratio = min(1.0, sum(s.nbytes for s in saved) / dense) if dense else 1.0
             estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
             self.total_bytes = total_bytes + estimated
+
+    def _count(self, key: str, value: int) -> None:
+        self.counters[key] = self.counters.get(key, 0) + value
 
     @property
     def busy(self) -> bool:
@@ -151,4 +158,4 @@ class StoreIndex:
                 continue
             del self.latest[agent]
             self._retire(stored)
-            self.counters["store_evictions"] = self.counters.get("store_evictions", 0) + 1
+            self._count("store_evictions", 1)
