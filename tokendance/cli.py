@@ -12,7 +12,7 @@ import sys
 import time
 
 from tokendance import registry
-from tokendance.errors import InvalidRequestError, TokenDanceError, error_line
+from tokendance.errors import InvalidRequestError, error_line
 
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's default is shown, unless its help already tells it or it has none."""

@@ -1,4 +1,4 @@
-"""The round protocol both front doors speak (`tokendance/round_protocol.py`): its checks of the
+"""The round protocol both front doors speak (`tokendance/round_core/protocol.py`): its checks of the
 round fields and a round's shape (one message per mistake, naming the field), refused fields, the
 agent's salt over the round's, the answer's usage, round object and stats; the plugin's endpoint
 reading a body and assembling an answer as `tokendance serve` does (no server needed; the two
@@ -6,7 +6,7 @@ servers answering alike is tests/vllm_plugin/test_vllm_server.py's contract test
 
 import pytest
 
-from tokendance.round_protocol import (MAX_AGENTS, MAX_SALT_CHARS, REFUSED, STATS_FIELDS, RoundFieldError,
+from tokendance.round_core.protocol import (MAX_AGENTS, MAX_SALT_CHARS, REFUSED, STATS_FIELDS, RoundFieldError,
                                        check_chat_fields, check_completion_fields, check_round_request, refusal,
                                        refused_field, round_answer, sum_usage, turn_salt)
 from tokendance.vllm_plugin.http.endpoint import agent_refusal, round_requests, round_response, tag_body

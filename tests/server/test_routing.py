@@ -8,8 +8,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from tokendance.round_gathering import Door
-from tokendance.round_protocol import merge_round_answers, round_answer, turn_usage
+from tokendance.round_core.gathering import Door
+from tokendance.round_core.protocol import merge_round_answers, round_answer, turn_usage
 from tokendance.server.fleet.routing import (
     PREFIX_SLACK,
     GroupFill,
@@ -230,7 +230,7 @@ def test_chat_requests_sharing_text_leave_the_hold_together_and_the_rest_as_they
     assert routes[3] == Route("prefix", "sim|dan")  # shares nothing: as it came
     assert [r.kind for r in routes[:3]] == ["round"] * 3
     assert routes[0] == routes[1] != routes[2]  # three members, at most two per replica: groups 2 + 1
-    assert routes[2].key in routes[0].siblings and len(hold.waiting) == 0 and len(hold.gatherer) == 0
+    assert routes[2].key in routes[0].siblings and len(hold.fallbacks) == 0 and len(hold.held) == 0
     fresh = Door()
     fresh.enter()
     assert not fresh.holds()  # alone, and no burst before it: goes on at once

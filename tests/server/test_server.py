@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import Server, disconnect, serving, kv_bytes, long_chat, open_stream, read_events, salt, wait_until
 from tokendance.convergence import repeated_replies
 from tokendance.server.gate import Admission
-from tokendance.round_gathering import ChatTurn, RoundGatherer, overlaps
+from tokendance.round_core.gathering import ChatTurn, RoundGatherer, overlaps
 from tokendance.model.platform import probe_cpu
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError

@@ -9,11 +9,10 @@ import json
 
 import pytest
 
-from tokendance.round_gathering import NEXT_BURST_S, Door
-from tokendance.round_protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
+from tokendance.round_core.gathering import NEXT_BURST_S, SERVER_AGENT_PREFIXES, Door, conversation_id
+from tokendance.round_core.protocol import RESERVED_AGENT_PREFIXES, RoundFieldError
 from tokendance.vllm_plugin.http.endpoint import RoundFields, connector_settings, tag_body
-from tokendance.vllm_plugin.http.gathering import (SERVER_AGENT_PREFIXES, Gathering, RecentReplies, conversation_id,
-                                              reply_texts)
+from tokendance.vllm_plugin.http.gathering import Gathering, RecentReplies, reply_texts
 
 SAID = ["Abigail thinks the library should stay open until nine every evening.",
         "Viktor wants the broken bridge repaired before the winter festival begins.",
@@ -84,7 +83,7 @@ def test_requests_quoting_nothing_pass_at_once_as_rounds_of_one():
     body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story about a cat."}]}
     assert own_turn(admit_all(gathering, [body])[0]) == {**body, "kv_transfer_params": {"tokendance": {
         "round_size": 1, "namespace": "", "agent_id": conversation_id("", body["messages"], "m"), "transparent": True}}}
-    assert gathering.counts == {"passed": 1} and len(gathering.gatherer) == 0
+    assert gathering.counts == {"passed": 1} and len(gathering.held) == 0
     declared_agent = {**body, "agent_id": "alice"}  # the client's own agent: as it came (tag_body salts it)
     assert admit_all(gathering, [declared_agent]) == [declared_agent]
 
@@ -127,7 +126,7 @@ def test_under_the_shared_rule_text_no_reply_wrote_forms_a_round_and_a_lone_requ
     assert [t["round_size"] for t in alone] == [1, 1, 1] and gathering.counts["passed"] == 3
     chatting = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France, in one word?"}]}
     assert own_turn(admit_all(gathering, [chatting])[0])["messages"] == chatting["messages"]  # shares nothing
-    assert gathering.counts["alone"] == 1 and len(gathering.gatherer) == 0 and gathering.num_at_door == 0
+    assert gathering.counts["alone"] == 1 and len(gathering.held) == 0 and gathering.num_at_door == 0
 
     async def send(message):
         pass
@@ -138,7 +137,7 @@ def test_a_request_sharing_nothing_waits_one_window_while_a_burst_keeps_the_gath
     """`release_unshared` (the plugin's gatherer): a held turn that overlaps no other a window after
     it came leaves alone then, not when the burst around it closes; `tokendance serve`'s gatherer
     keeps it to the end."""
-    from tokendance.round_gathering import ChatTurn, RoundGatherer
+    from tokendance.round_core.gathering import ChatTurn, RoundGatherer
 
     def chat(key: str, lines: list[str], arrival: float) -> ChatTurn:
         return ChatTurn(key, [{"role": "user", "content": "\n".join(lines)}], None, None, None, arrival=arrival)
@@ -208,11 +207,11 @@ def test_a_request_cancelled_while_it_waits_leaves_the_gathering():
         with gathering.serving(), gathering.serving():  # another request at the endpoint, and this one
             waiting = asyncio.ensure_future(gathering.admit(turn("Abigail", [0, 1])))
             await asyncio.sleep(0)
-            assert len(gathering.gatherer) == 1
+            assert len(gathering.held) == 1
             waiting.cancel()
             await asyncio.sleep(0)
     asyncio.run(run())
-    assert len(gathering.gatherer) == 0 and gathering.num_at_door == 0
+    assert len(gathering.held) == 0 and gathering.num_at_door == 0
 
 
 class Endpoint:
@@ -309,7 +308,7 @@ def test_a_held_request_whose_client_leaves_is_never_sent_and_its_round_forms_wi
                                                                 "You are Hana, who lives in Willow Creek."]
     tags = [r["kv_transfer_params"]["tokendance"] for r in received]
     assert [t["round_size"] for t in tags] == [2, 2] and tags[0]["round_id"] == tags[1]["round_id"]
-    assert gathering.counts == {"left": 1, "member": 2, "rounds": 1} and len(gathering.gatherer) == 0
+    assert gathering.counts == {"left": 1, "member": 2, "rounds": 1} and len(gathering.held) == 0
 
 
 def test_the_setting_is_read_from_vllms_transfer_config():
@@ -364,8 +363,8 @@ def test_the_overlap_index_agrees_with_trying_every_pair_and_tries_about_one_per
     import itertools
     import random
 
-    from tokendance import round_gathering
-    from tokendance.round_gathering import ChatTurn, overlapping, overlaps
+    from tokendance.round_core import gathering as round_gathering
+    from tokendance.round_core.gathering import ChatTurn, overlapping, overlaps
 
     long = [f"line {i}: " + "words that are long enough to be a shared piece" for i in range(6)]
     rng = random.Random(0)

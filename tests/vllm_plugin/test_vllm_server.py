@@ -192,7 +192,7 @@ def test_undeclared_requests_sharing_text_form_rounds_whoever_wrote_it(server):
 
 
 def test_malformed_round_fields_are_refused_with_their_field(server):
-    """The round protocol `tokendance serve` speaks (`round_protocol.py`): the same limits and
+    """The round protocol `tokendance serve` speaks (`round_core/protocol.py`): the same limits and
     refused fields, named as it names them."""
     messages = agents(1, seed=12)[0]["messages"]
     for extra, param in (({"agent_id": ""}, "agent_id"), ({"agent_id": "a", "round_size": 2}, "round_size"),

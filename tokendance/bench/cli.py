@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from tokendance import registry
-from tokendance.bench.options import CAPACITY_KV_BYTES, capacity_modes, kv_bytes
+from tokendance.bench.options import CAPACITY_KV_BYTES, capacity_modes
 from tokendance.cli_types import mebibytes, parse_bytes
 from tokendance.errors import InvalidRequestError
 from tokendance.workloads import WORKLOADS

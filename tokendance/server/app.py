@@ -32,7 +32,7 @@ from tokendance.server.engine_loop import (
     TurnJob,
 )
 from tokendance.server.gate import Admission, Gate
-from tokendance.round_gathering import ChatTurn, RoundGatherer
+from tokendance.round_core.gathering import ChatTurn, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import (
     SAMPLING_FIELDS,

@@ -25,7 +25,7 @@ from tokendance.engine.rounds import RoundAborted
 from tokendance.errors import InvalidRequestError, TokenDanceError
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.segments import AgentTurn
-from tokendance.round_gathering import ChatTurn, RoundConflictError, RoundGatherer
+from tokendance.round_core.gathering import ChatTurn, RoundConflictError, RoundGatherer
 from tokendance.server.metrics import Metrics
 from tokendance.server.protocol import ApiError
 from tokendance.server.fleet.routing import agent_key

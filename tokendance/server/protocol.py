@@ -2,7 +2,7 @@
 `server/replies.py`.
 
 Validation happens in layers: the round fields and a round's shape first, by the round protocol
-both front doors share (`round_protocol`, run on the raw body by `round_rules`), then pydantic
+both front doors share (`round_core.protocol`, run on the raw body by `round_rules`), then pydantic
 checks presence and types (a 400 naming the field), then `SamplingParams` and the engine check
 values (a 400 naming the field, or a code such as `context_length_exceeded`). Fields a client
 may send that this server cannot honour (best_of, echo, suffix, ...) are rejected, never
@@ -21,7 +21,7 @@ from tokendance.errors import (
     InvalidRequestError,
     TokenDanceError,
 )
-from tokendance.round_protocol import (RoundFieldError, check_chat_fields, check_completion_fields,
+from tokendance.round_core.protocol import (RoundFieldError, check_chat_fields, check_completion_fields,
                                        check_round_request)
 from tokendance.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from tokendance.tool_formats import ToolFormat
@@ -66,7 +66,7 @@ class ApiError(Exception):
 
 
 def round_rules(check):
-    """A model's "before" validator: `check` (a `round_protocol` check) on the raw body, its
+    """A model's "before" validator: `check` (a `round_core.protocol` check) on the raw body, its
     refusal answered as the server's 400. The round fields' annotations below only type what it
     has already checked."""
 
@@ -246,7 +246,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     """`agent_id`, `round_id`, `round_size` and `cache_salt` are the round and tenancy extensions
-    (`round_protocol.check_chat_fields`)."""
+    (`round_core.protocol.check_chat_fields`)."""
 
     _round_fields = round_rules(check_chat_fields)
     model: str
@@ -280,7 +280,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """No round fields (`round_protocol.check_completion_fields`); `cache_salt` is the tenancy extension."""
+    """No round fields (`round_core.protocol.check_completion_fields`); `cache_salt` is the tenancy extension."""
 
     _round_fields = round_rules(check_completion_fields)
     model: str
@@ -305,7 +305,7 @@ class RoundAgent(SamplingFields):
 
     agent_id: str
     messages: list[ChatMessage]
-    # The agent's own tenancy (over the round's: `round_protocol.turn_salt`): its session and
+    # The agent's own tenancy (over the round's: `round_core.protocol.turn_salt`): its session and
     # prefix-cache reads and writes in this salt's namespace; shared spans are reused only among
     # the round's agents of one namespace.
     cache_salt: str | None = None
@@ -313,7 +313,7 @@ class RoundAgent(SamplingFields):
 
 class RoundRequest(SamplingFields):
     """A whole round; its agents, their ids, the fields a round refuses and the salts:
-    `round_protocol.check_round_request`."""
+    `round_core.protocol.check_round_request`."""
 
     _round_shape = round_rules(check_round_request)
     model: str

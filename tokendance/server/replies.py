@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from tokendance.outputs import RequestOutput
-from tokendance.round_protocol import STATS_FIELDS, agent_output, round_answer
+from tokendance.round_core.protocol import STATS_FIELDS, agent_output, round_answer
 from tokendance.sampling import TokenLogprobs
 from tokendance.server.tool_stream import tool_stream
 from tokendance.server.tools import Tools, parse_tool_calls

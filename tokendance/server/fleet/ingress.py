@@ -17,8 +17,8 @@ from ray.serve.context import _set_request_context
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tokendance.round_gathering import Door
-from tokendance.round_protocol import RoundFieldError, check_round_request, merge_round_answers
+from tokendance.round_core.gathering import Door
+from tokendance.round_core.protocol import RoundFieldError, check_round_request, merge_round_answers
 from tokendance.server.fleet.routing import (MAX_OWNED_KEYS, GroupFill, PromptView, Route, TransparentHold,
                                              cache_namespace, fill_groups, group_routes, group_sizes, route_for,
                                              shared_placement)

@@ -25,9 +25,7 @@ from them (`Placement.restore`).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import itertools
 import json
 import time
 import uuid
@@ -35,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokendance.round_gathering import ChatTurn, Door, RoundGatherer, chat_lines
+from tokendance.round_core.gathering import ChatTurn, Door, HeldTurns, ReadyWork, chat_lines, conversation_id
 
 PREFIX_CHARS = 512  # the opening of a prompt that prefix affinity hashes
 PREFIX_SLACK = 4  # requests a preferred replica may run beyond the least loaded before it is passed over
@@ -109,13 +107,6 @@ def route_for(method: str, path: str, body: bytes, namespace: str) -> Route:
     if agents:
         return Route("session", agents[0], agents)
     return Route("prefix", f"{scope}|{_opening(data)}")
-
-
-def conversation_key(namespace: str, messages: list[dict]) -> str:
-    """The router's name for an anonymous agent of a transparent round: its conversation, by its
-    first message (an agent's persona stays while the rest of its prompt changes)."""
-    first = json.dumps(messages[0], sort_keys=True) if messages else ""
-    return agent_key(namespace, "conversation-" + hashlib.sha256(first.encode()).hexdigest()[:16])
 
 
 def transparent_route(namespace: str, conversations: Sequence[str]) -> Route:
@@ -332,10 +323,9 @@ class TransparentHold:
 
     def __init__(self, fleet, door: Door | None = None):
         self.door = door
-        self.gatherer = RoundGatherer(fleet.gather_window_s, fleet.round_timeout_s, release_unshared=True)
+        self.held = HeldTurns(fleet.gather_window_s, fleet.round_timeout_s, self._close)
         self.most = fleet.max_round_agents
-        self.waiting: dict[str, tuple[asyncio.Future, Route]] = {}
-        self.timer: asyncio.TimerHandle | None = None
+        self.fallbacks: dict[str, Route] = {}  # a held request's key -> the route it came with
 
     async def route(self, data: dict, fallback: Route, namespace: str) -> Route:
         """The route of a chat request (`data`) in cache namespace `namespace`, once its gathering
@@ -343,33 +333,22 @@ class TransparentHold:
         messages = chat_lines(data.get("messages"))
         if messages is None:
             return fallback
-        key, future = uuid.uuid4().hex, asyncio.get_running_loop().create_future()
+        key = uuid.uuid4().hex
         namespace = json.dumps([namespace, str(data.get("model"))])  # a round runs on one model
-        self.waiting[key] = (future, fallback)
-        self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace, arrival=time.monotonic()))
-        self._arm()
+        self.fallbacks[key] = fallback
         try:
-            return await future
+            return await self.held.hold(ChatTurn(key, messages, None, None, None, namespace=namespace,
+                                                 arrival=time.monotonic()))
         finally:
-            if self.waiting.pop(key, None) is not None:  # its client left while it waited
-                self.gatherer.remove(key)
+            self.fallbacks.pop(key, None)
 
-    def _arm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        deadline = self.gatherer.next_deadline()
-        self.timer = None if deadline is None else asyncio.get_running_loop().call_later(
-            max(0.0, deadline - time.monotonic()), self._release)
-
-    def _release(self) -> None:
-        self.timer = None
-        work = self.gatherer.pop_ready(time.monotonic())
+    def _close(self, work: ReadyWork) -> None:
         for turn in work.ordinary:
             self._answer(turn.key, None)
         for members in work.rounds:
             if self.door is not None:
                 self.door.formed_round()
-            names = [conversation_key(t.namespace, t.messages) for t in members]
+            names = [agent_key(t.namespace, conversation_id(t.namespace, t.messages)) for t in members]
             whole, sizes = transparent_route(members[0].namespace, names), group_sizes(len(members), self.most)
             if len(sizes) == 1:
                 for turn in members:
@@ -380,9 +359,6 @@ class TransparentHold:
             for route, group in zip(group_routes(whole, [[names[i] for i in g] for g in groups]), groups):
                 for i in group:
                     self._answer(members[i].key, route)
-        self._arm()
 
     def _answer(self, key: str, route: Route | None) -> None:
-        future, fallback = self.waiting.pop(key, (None, None))
-        if future is not None and not future.done():
-            future.set_result(route or fallback)
+        self.held.answer(key, route or self.fallbacks.get(key))

@@ -14,7 +14,7 @@
 - `POST /v1/rounds`: a whole round in one request, as `tokendance serve` answers it. Each agent's
   turn is one chat request to this same server (through the middleware), all at once.
 
-Both speak `tokendance serve`'s round protocol (`tokendance/round_protocol.py`): its checks run on
+Both speak `tokendance serve`'s round protocol (`tokendance/round_core/protocol.py`): its checks run on
 vLLM's body before vLLM reads it, so a mistake gets the same 400 (message, `param`, `code`) through
 either door; the agent's own `cache_salt` over the round's; the same answer.
 """
@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tokendance.convergence import repeated_replies
-from tokendance.round_protocol import (RESERVED_AGENT_PREFIXES, ROUND_FIELDS, RoundFieldError, agent_output,
+from tokendance.round_core.protocol import (RESERVED_AGENT_PREFIXES, ROUND_FIELDS, RoundFieldError, agent_output,
                                        agent_salt, check_chat_fields, check_completion_fields, check_round_request,
                                        round_answer, turn_salt, turn_usage)
 from tokendance.vllm_plugin.http.gathering import Gathering

@@ -1,6 +1,6 @@
 """Transparent rounds at the plugin's front door (`transparent_rounds: true` in the connector's
 settings): chat requests that name no round are gathered into rounds, by `tokendance serve`'s rule
-(`tokendance/round_gathering.py`), and tagged for the connector as declared members are.
+(`tokendance/round_core/gathering.py`), and tagged for the connector as declared members are.
 
 - Candidates. A lone request is held only as the first of a burst (`Door`): one that comes while no
   other chat request is at the endpoint (held, or sent on and not answered yet) goes on at once,
@@ -30,9 +30,7 @@ settings): chat requests that name no round are gathered into rounds, by `tokend
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -42,8 +40,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from tokendance.registry import DEFAULT_TRANSPARENT_RULE, TRANSPARENT_RULES, load
-from tokendance.round_protocol import agent_salt
-from tokendance.round_gathering import MIN_SHARED_CHARS, ChatTurn, Door, RoundGatherer, chat_lines
+from tokendance.round_core.protocol import agent_salt
+from tokendance.round_core.gathering import (MIN_SHARED_CHARS, ChatTurn, Door, HeldTurns, ReadyWork, chat_lines,
+                                             conversation_id)
 
 logger = logging.getLogger("tokendance.vllm")
 WORD_START = re.compile(r"(?<!\w)\w")
@@ -147,16 +146,6 @@ class RecentReplies:
         return any(self.quoted_in(m["content"]) for m in messages if m["role"] != "assistant")
 
 
-# How the server names agents no client named: a conversation, a member without an agent_id. A
-# client's agent_id may not start so.
-SERVER_AGENT_PREFIXES = ("conversation-", "anonymous-")
-
-
-def conversation_id(namespace: str, messages: list[dict], model=None) -> str:
-    first = json.dumps([namespace, str(model), messages[0]["role"], messages[0]["content"]])
-    return f"conversation-{hashlib.sha256(first.encode()).hexdigest()[:24]}"
-
-
 class Gathering:
     """The front door's gatherer (one per API server process, on its event loop): `admit` holds a
     candidate until its round forms and returns the body to send on (a member's with its tag for
@@ -166,13 +155,12 @@ class Gathering:
     member, alone, left while held) and rounds formed."""
 
     def __init__(self, window_s: float, round_timeout_s: float, rule: str = DEFAULT_TRANSPARENT_RULE, metric=None):
-        self.gatherer = RoundGatherer(window_s, round_timeout_s, release_unshared=True)
+        self.held = HeldTurns(window_s, round_timeout_s, self._close, self._left)
         self.rule = load(TRANSPARENT_RULES[rule])()
         self.door = Door()
         self.counts: Counter[str] = Counter()
         self.metric = metric  # a labelled Prometheus counter (outcome), or None
-        self._waiting: dict[str, tuple[asyncio.Future, dict, str]] = {}  # key -> (future, body, cache namespace)
-        self._timer: asyncio.TimerHandle | None = None
+        self._bodies: dict[str, tuple[dict, str]] = {}  # a held turn's key -> (its body, cache namespace)
 
     @staticmethod
     def may_join(body: dict) -> bool:
@@ -208,34 +196,22 @@ class Gathering:
             self._count("passed")
             return self._own_turn(body, namespace, messages)
         key = f"gather-{uuid.uuid4().hex}"
+        self._bodies[key] = (body, namespace)
         namespace = json.dumps([namespace, str(body.get("model"))])  # a round runs on one model (or adapter)
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[key] = (future, body, salt if isinstance(salt, str) else "")
-        self.gatherer.add(ChatTurn(key, messages, None, None, None, namespace=namespace,
-                                   agent_id=body.get("agent_id"), arrival=time.monotonic()))
-        self._arm()
-        try:
-            return await future
-        finally:
-            if self._waiting.pop(key, None) is not None:  # cancelled while waiting (its client left)
-                self.gatherer.remove(key)
-                self._count("left")
+        return await self.held.hold(ChatTurn(key, messages, None, None, None, namespace=namespace,
+                                             agent_id=body.get("agent_id"), arrival=time.monotonic()))
+
+    def _left(self, turn: ChatTurn) -> None:
+        """Its client left while it was held."""
+        self._bodies.pop(turn.key, None)
+        self._count("left")
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
         if self.metric is not None:
             self.metric.labels(outcome).inc()
 
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        deadline = self.gatherer.next_deadline()
-        self._timer = None if deadline is None else asyncio.get_running_loop().call_later(
-            max(0.0, deadline - time.monotonic()), self._close)
-
-    def _close(self) -> None:
-        self._timer = None
-        work = self.gatherer.pop_ready(time.monotonic())
+    def _close(self, work: ReadyWork) -> None:
         for turns in work.rounds:  # one round per cache namespace and model
             by_namespace: dict[str, list[ChatTurn]] = {}
             for turn in turns:
@@ -244,15 +220,13 @@ class Gathering:
                 self._form(members) if len(members) > 1 else self._send_alone(members[0])
         for turn in work.ordinary:
             self._send_alone(turn)
-        if len(self.gatherer):
-            self._arm()
 
     def _form(self, members: list[ChatTurn]) -> None:
         round_id, conversations = f"transparent-{uuid.uuid4().hex}", set()
         self._count("rounds")
         self.door.formed_round()
         for turn in members:
-            future, body, namespace = self._waiting.pop(turn.key)
+            body, namespace = self._bodies.pop(turn.key)
             body = {k: v for k, v in body.items() if k != "agent_id"}
             tag = {"round_id": round_id, "round_size": len(members), "namespace": namespace}
             conversation = conversation_id(namespace, turn.messages, body.get("model"))
@@ -265,14 +239,12 @@ class Gathering:
             params = body.get("kv_transfer_params")
             body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), "tokendance": tag}
             self._count("member")
-            if not future.done():
-                future.set_result(body)
+            self.held.answer(turn.key, body)
 
     def _send_alone(self, turn: ChatTurn) -> None:
-        future, body, namespace = self._waiting.pop(turn.key)
+        body, namespace = self._bodies.pop(turn.key)
         self._count("alone")
-        if not future.done():
-            future.set_result(self._own_turn(body, namespace, turn.messages))
+        self.held.answer(turn.key, self._own_turn(body, namespace, turn.messages))
 
     @staticmethod
     def _own_turn(body: dict, namespace: str, messages: list[dict]) -> dict:

@@ -20,17 +20,22 @@ Three ways into a round:
 - whole: a /v1/rounds request is a ready round of its own.
 
 A front door that holds requests outside the engine (the plugin's endpoint, the fleet's) holds a
-chat request only while another is at the door, or as the first of the next burst (`Door`).
+chat request only while another is at the door, or as the first of the next burst (`Door`), and
+drives its gatherer on its event loop with `HeldTurns`; an agent no client named is its
+conversation (`conversation_id`) at both.
 
-The gatherer is plain data: its owner (serve's engine thread, the plugin's event loop) calls
+The gatherer is plain data: its owner (serve's engine thread, a door's `HeldTurns`) calls
 `pop_ready` and runs what it returns.
 Invariant: every turn added leaves exactly once, through `pop_ready` or `remove`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,3 +288,61 @@ class RoundGatherer:
             else:
                 ordinary.append(turn)
         return members, ordinary
+
+
+# How a front door names agents no client named: a conversation, a member without an agent_id. A
+# client's agent_id may not start so.
+SERVER_AGENT_PREFIXES = ("conversation-", "anonymous-")
+
+
+def conversation_id(namespace: str, messages: list[dict], model=None) -> str:
+    """An agent no client named: its conversation, by its cache namespace, model and first message
+    (an agent's persona, which stays while the rest of its prompt changes)."""
+    first = json.dumps([namespace, str(model), messages[0]["role"], messages[0]["content"]])
+    return f"conversation-{hashlib.sha256(first.encode()).hexdigest()[:24]}"
+
+
+class HeldTurns:
+    """A `RoundGatherer` on a front door's event loop (the plugin's endpoint, the fleet's): `hold`
+    waits until a turn's gathering closes and returns what `close` answered for it (`answer`);
+    `close` gets the work of every `pop_ready` and answers each turn in it. A turn whose client
+    leaves while it is held is taken out of the gatherer, and given to `left`."""
+
+    def __init__(self, window_s: float, round_timeout_s: float, close: Callable[[ReadyWork], None],
+                 left: Callable[[ChatTurn], None] = lambda turn: None):
+        self.gatherer = RoundGatherer(window_s, round_timeout_s, release_unshared=True)
+        self.close, self.left = close, left
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self.gatherer)
+
+    async def hold(self, turn: ChatTurn) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[turn.key] = future
+        self.gatherer.add(turn)
+        self._arm()
+        try:
+            return await future
+        finally:
+            if self._waiting.pop(turn.key, None) is not None:  # its client left while it waited
+                self.gatherer.remove(turn.key)
+                self.left(turn)
+
+    def answer(self, key: str, value: Any) -> None:
+        future = self._waiting.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        deadline = self.gatherer.next_deadline()
+        self._timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._close)
+
+    def _close(self) -> None:
+        self._timer = None
+        self.close(self.gatherer.pop_ready(time.monotonic()))
+        self._arm()
