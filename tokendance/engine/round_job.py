@@ -22,7 +22,8 @@ from tokendance.kv.manager import KVCacheManager, SessionKey
 from tokendance.model.roofline import Account, Peaks
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import ReusePolicy
-from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, Session, Work
+from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, Work
+from tokendance.round_core.spans import Session
 from tokendance.reuse.segments import TokenizedTurn
 
 
@@ -365,7 +366,7 @@ class RoundJob:
                 continue  # aborted, or its kept table was evicted under memory pressure
             if self.policy.keeps_sessions and turn.agent_id not in self.ending:
                 computed = request.token_ids[: request.num_computed_tokens]
-                session = Session(computed, self.index, turn.spans)
+                session = Session(computed, turn.spans)
                 self.kv.keep(request.request_id, key=SessionKey(turn.agent_id), payload=session)
             else:
                 self.kv.free(request.request_id)

@@ -31,7 +31,8 @@ from tokendance.errors import InvalidRequestError
 from tokendance.kv.manager import SessionKey
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import ReusePolicy, make_policy
-from tokendance.reuse.round_kv import RoundKV, Session
+from tokendance.reuse.round_kv import RoundKV
+from tokendance.round_core.spans import Session
 from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
 from tokendance.reuse.selection import make_selector
 from tokendance.sampling import SamplingParams

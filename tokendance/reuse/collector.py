@@ -23,7 +23,6 @@ from tokendance.reuse.round_kv import (
     PrefillReport,
     Ready,
     RoundKV,
-    Session,
     count_reuse,
     private_positions,
 )

@@ -33,16 +33,6 @@ from tokendance.round_core.spans import Span
 
 
 @dataclass
-class Session:
-    """What an agent's kept table (`SessionKey`) holds: `token_ids` (prompt + output so far) and
-    the segments of its last prompt, for recall."""
-
-    token_ids: list[int]
-    last_round: int
-    spans: list[Span] = field(default_factory=list)
-
-
-@dataclass
 class AgentPrefill:
     """One agent's prompt while its KV is prepared. Its table (`table_id`) already holds the
     `num_reused_prefix` tokens a session or the prefix cache provided."""

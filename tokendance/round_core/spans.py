@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 
 @dataclass
@@ -23,6 +25,27 @@ class Span:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+@dataclass
+class Session:
+    """An agent's latest request, kept for its next: its tokens (prompt and output) and its
+    prompt's spans, which a span that moved since is recalled by. The plugin also finds its KV by
+    its cache salt and vLLM's hashes of its full blocks (the engine keeps it in a table)."""
+
+    token_ids: list[int]
+    spans: list[Span] = field(default_factory=list)
+    salt: str | None = None
+    block_hashes: list[Any] = field(default_factory=list)
+
+    @cached_property
+    def starts(self) -> dict[bytes, int]:
+        """Where the first span of each shared name started."""
+        starts: dict[bytes, int] = {}
+        for span in self.spans:
+            if span.key is not None:
+                starts.setdefault(span.key, span.start)
+        return starts
 
 
 def segment_key(token_ids: Sequence[int], namespace: str) -> bytes:

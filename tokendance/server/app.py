@@ -28,8 +28,8 @@ from tokendance.server.config import ServerConfig
 from tokendance.server.engine_loop import (
     EngineLoop,
     GenerateJob,
-    RoundJob,
     TurnJob,
+    WholeRoundJob,
 )
 from tokendance.server.gate import Admission, Gate
 from tokendance.round_core.gathering import ChatTurn, RoundGatherer
@@ -272,7 +272,7 @@ class Api:
                 lambda: self._chat_request(messages, params, f"{key}-{i}", agent_namespace), f"agents.{i}.messages")
             turns.append(ChatTurn(key, messages, prepared.sampling_params, prepared, sink, index=i,
                                   namespace=agent_namespace, agent_id=agent.agent_id))
-        self.loop.submit(RoundJob(turns))
+        self.loop.submit(WholeRoundJob(turns))
         outputs = await self._collect(request, sink, started)
         return round_response(key, self.config.model_name, agent_ids, outputs, sink.round_info[0]["index"], sink.stats)
 

@@ -36,7 +36,7 @@ log = logging.getLogger("tokendance.server")
 
 
 @dataclass
-class Route:
+class Delivery:
     """Where an engine request's outputs go."""
 
     sink: Sink
@@ -60,7 +60,7 @@ class TurnJob:
 
 
 @dataclass
-class RoundJob:
+class WholeRoundJob:
     turns: list[ChatTurn]
 
 
@@ -91,7 +91,7 @@ class EngineLoop:
         self.metrics = metrics
         self.error: BaseException | None = None  # why the thread died, if it did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, Route] = {}  # engine request id -> route (rounds' agents too)
+        self._deliveries: dict[str, Delivery] = {}  # engine request id -> where its outputs go (rounds' agents too)
         self._round_agents: dict[str, tuple[Any, str]] = {}  # a round agent's request id -> (its round, agent id)
         self._rounds: dict[Any, tuple[list[ChatTurn], list[str]]] = {}  # submitted rounds -> (turns, agent ids)
         self._anonymous = itertools.count()
@@ -143,8 +143,8 @@ class EngineLoop:
         except BaseException as exc:  # a bug outside any one request: nobody can be served any more
             self.error = exc
             log.exception("the engine thread died")
-            for route in self._routes.values():
-                route.sink.fail(ApiError(500, "engine failure", type="server_error"))
+            for delivery in self._deliveries.values():
+                delivery.sink.fail(ApiError(500, "engine failure", type="server_error"))
             if self.exit_on_failure:  # a server that answers 503 forever helps nobody: let a supervisor restart it
                 time.sleep(0.5)  # the failures above reach their clients
                 os._exit(70)
@@ -154,7 +154,7 @@ class EngineLoop:
         """Gathered turns whose wait is over: ordinary ones start now, rounds are submitted."""
         work = self.gatherer.pop_ready(time.monotonic())
         for turn in work.ordinary:
-            self._add(turn.request, Route(turn.sink, turn.index))
+            self._add(turn.request, Delivery(turn.sink, turn.index))
         for turns in work.rounds:
             self._submit_round(turns)
 
@@ -193,7 +193,7 @@ class EngineLoop:
                 job.turn.sink.fail(ApiError(409, str(exc), param="round_size", code="round_conflict"))
             except InvalidRequestError as exc:
                 job.turn.sink.fail(ApiError.from_engine(exc, param="agent_id"))
-        elif isinstance(job, RoundJob):
+        elif isinstance(job, WholeRoundJob):
             self.gatherer.add_round(job.turns)
         elif isinstance(job, AbortJob):
             self._abort(job.sink)
@@ -217,24 +217,24 @@ class EngineLoop:
         holds them until the first has computed the prompt, then they find it in the prefix cache."""
         leader, leader_added = None, False
         for index, request in enumerate(job.requests):
-            route = Route(job.sink, index)
+            delivery = Delivery(job.sink, index)
             if job.share_prompt and leader is not None and leader.prompt_token_ids == request.prompt_token_ids:
                 # (a leader that never started, its client gone or refused: no wait)
-                self._add(request, route, after=leader.request_id if leader_added else None)
+                self._add(request, delivery, after=leader.request_id if leader_added else None)
                 continue
             leader = request
-            leader_added = self._add(request, route)
+            leader_added = self._add(request, delivery)
 
-    def _add(self, request, route: Route, after: str | None = None) -> bool:
+    def _add(self, request, delivery: Delivery, after: str | None = None) -> bool:
         """Start one request; False if it did not (its client left, or the engine refused it)."""
-        if route.sink.closed:
+        if delivery.sink.closed:
             return False
         try:
             self.engine.add(request, after=after)
         except InvalidRequestError as exc:
-            route.sink.fail(ApiError.from_engine(exc))
+            delivery.sink.fail(ApiError.from_engine(exc))
             return False
-        self._routes[request.request_id] = route
+        self._deliveries[request.request_id] = delivery
         return True
 
     def _step(self) -> None:
@@ -243,32 +243,32 @@ class EngineLoop:
         except Exception as exc:  # a bug in a step: fail what runs, keep serving
             log.exception("engine step failed")
             self.engine.abort_all(exc)
-            for request_id, route in list(self._routes.items()):
+            for request_id, delivery in list(self._deliveries.items()):
                 if request_id not in self._round_agents:  # (rounds fail in _end_rounds)
-                    del self._routes[request_id]
-                    route.sink.fail(ApiError(500, "engine failure", type="server_error"))
+                    del self._deliveries[request_id]
+                    delivery.sink.fail(ApiError(500, "engine failure", type="server_error"))
             return
         for output in outputs:
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
-        route = self._routes.get(output.request_id)
-        if route is None:
+        delivery = self._deliveries.get(output.request_id)
+        if delivery is None:
             return
-        route.started = True
+        delivery.started = True
         if output.finished:
-            del self._routes[output.request_id]
+            del self._deliveries[output.request_id]
             self.metrics.record_finished(output)
-        if output.finish_reason == "error" and not route.sink.wants_stats:  # its computation raised: it alone fails
+        if output.finish_reason == "error" and not delivery.sink.wants_stats:  # its computation raised: it alone fails
             if not (output.error or "").startswith(StructuredOutputError.__name__):
-                route.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
+                delivery.sink.fail(ApiError(500, f"the engine failed on this request ({output.error})", type="server_error"))
                 return  # (an agent of a /v1/rounds request: its entry of the round's answer carries the error)
             if output.num_generated_tokens == 0:  # a constraint that compiled but cannot be followed: the input's
                 message = output.error.split(": ", 1)[-1]
-                route.sink.fail(ApiError(400, f"the output constraint cannot be followed: {message}",
-                                         param=route.sink.constraint_param, code="invalid_value"))
+                delivery.sink.fail(ApiError(400, f"the output constraint cannot be followed: {message}",
+                                            param=delivery.sink.constraint_param, code="invalid_value"))
                 return  # (after some tokens the reply ends there, with finish_reason "error")
-        route.sink.put(route.index, output, route.round_info)
+        delivery.sink.put(delivery.index, output, delivery.round_info)
 
     def _abort(self, sink: Sink) -> None:
         self.gatherer.remove(sink.key)
@@ -276,8 +276,8 @@ class EngineLoop:
             for turns, agent_ids in [entry for entry in self._rounds.values() if entry[0][0].sink is sink]:
                 for agent_id in agent_ids:
                     self.llm.end_agent(agent_id)
-        for request_id in [r for r, route in self._routes.items() if route.sink is sink]:
-            del self._routes[request_id]
+        for request_id in [r for r, delivery in self._deliveries.items() if delivery.sink is sink]:
+            del self._deliveries[request_id]
             if request_id in self._round_agents:  # the round goes on without it
                 job, agent_id = self._round_agents[request_id]
                 self._aborted(self.llm.rounds.abort(agent_id, job))
@@ -309,7 +309,7 @@ class EngineLoop:
         for agent_id, turn in zip(agent_ids, turns):
             request_id = job.request_id_of(agent_id)
             info = {"index": job.index, "agent_id": turn.agent_id, "num_agents": len(turns)}
-            self._routes[request_id] = Route(turn.sink, turn.index, info)
+            self._deliveries[request_id] = Delivery(turn.sink, turn.index, info)
             self._round_agents[request_id] = (job, agent_id)
         self._rounds[job] = (turns, agent_ids)
 
@@ -347,11 +347,11 @@ class EngineLoop:
             log.error("round failed: %s", exc)
             error = ApiError(500, "the round failed in the engine", type="server_error")
         for request_id, turn in zip(request_ids, turns):
-            route = self._routes.pop(request_id, None) if request_id else Route(turn.sink, turn.index)
-            if route is None:
+            delivery = self._deliveries.pop(request_id, None) if request_id else Delivery(turn.sink, turn.index)
+            if delivery is None:
                 continue  # it finished before the failure
-            if isinstance(exc, TokenDanceError) and not route.started and not turn.sink.wants_stats:
-                self._add(turn.request, Route(turn.sink, turn.index))
+            if isinstance(exc, TokenDanceError) and not delivery.started and not turn.sink.wants_stats:
+                self._add(turn.request, Delivery(turn.sink, turn.index))
             else:
                 turn.sink.fail(error)
 
@@ -365,7 +365,7 @@ def _sinks(job) -> list[Sink]:
         return [job.sink]
     if isinstance(job, TurnJob):
         return [job.turn.sink]
-    if isinstance(job, RoundJob):
+    if isinstance(job, WholeRoundJob):
         return [t.sink for t in job.turns]
     return []
 

@@ -102,7 +102,7 @@ def input_message(item: dict, param: str, messages: list[dict]) -> dict | None:
     as chat writes parallel calls: None then)."""
     kind = item.get("type", "message")
     if kind == "message" and item.get("role") in ROLES:
-        return {"role": item["role"], "content": message_text(item.get("content"), f"{param}.content")}
+        return {"role": item["role"], "content": item_text(item.get("content"), f"{param}.content")}
     if kind == "function_call":
         name, arguments = item.get("name"), item.get("arguments", "{}")
         if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(item.get("call_id"), str):
@@ -116,7 +116,7 @@ def input_message(item: dict, param: str, messages: list[dict]) -> dict | None:
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
         output = item.get("output")
-        text = output if isinstance(output, str) else message_text(output, f"{param}.output")
+        text = output if isinstance(output, str) else item_text(output, f"{param}.output")
         if not isinstance(item.get("call_id"), str):
             raise ApiError(400, f"{param}: a function_call_output needs a string call_id", param=param,
                            code="invalid_value")
@@ -128,7 +128,7 @@ def input_message(item: dict, param: str, messages: list[dict]) -> dict | None:
                    "function_call_output are)", param=f"{param}.type", code="unsupported_parameter")
 
 
-def message_text(content, param: str) -> str:
+def item_text(content, param: str) -> str:
     """A message's content: a string, or text parts joined."""
     if isinstance(content, str):
         return content

@@ -10,7 +10,8 @@ from collections import Counter
 
 from tokendance.round_core.spans import common_prefix
 from tokendance.round_core.spans import overlap
-from tokendance.vllm_plugin.scheduler.members import Member, Session
+from tokendance.round_core.spans import Session
+from tokendance.vllm_plugin.scheduler.members import Member
 
 
 def count_tokens(member: Member, session: Session | None, min_piece_tokens: int) -> Counter:
@@ -55,7 +56,7 @@ def _computed_beside_claim(member: Member, session: Session | None, history: int
     """A mirror's tokens between and after its claimed spans, by reason."""
     counts: Counter = Counter()
     moved = [(p.start, p.end) for p in member.pieces
-             if session and p.key in session.pieces and p.end - p.start >= min_piece_tokens]
+             if session and p.key in session.starts and p.end - p.start >= min_piece_tokens]
     masters = {id(h.member): h.member for r in member.reusable for h in r.sources}
     prefix = max((common_prefix(member.token_ids, m.token_ids) for m in masters.values()), default=0)
     prefix = max(prefix, history)

@@ -26,7 +26,6 @@ session's history, a master's identical system prompt) are copied exactly: no ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokendance.registry import MAX_ANCHORS, valid_anchors
 from tokendance.round_core.spans import Span
@@ -79,18 +78,6 @@ class RoundTag:
         if unknown:
             raise RoundParamsError(f"kv_transfer_params.tokendance: unknown fields {sorted(unknown)}")
         return cls(round_id, agent_id, size, namespace, None if ratio is None else float(ratio), anchors, transparent)
-
-
-@dataclass
-class Session:
-    """An agent's latest finished request: its tokens (prompt and output), its prompt's pieces (key
-    -> start), its salt, and vLLM's hashes of its full blocks (found again while the pool keeps
-    them)."""
-
-    token_ids: list[int]
-    pieces: dict[bytes, int]
-    salt: str | None = None
-    block_hashes: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from tokendance.round_core.spans import Boundaries, cut_spans
 from tokendance.vllm_plugin.step_plan import ReusedSpan
 from tokendance.vllm_plugin.scheduler.account import count_tokens
 from tokendance.vllm_plugin.scheduler.sources import Recall, SpanPlanner, plan_round, trim
-from tokendance.vllm_plugin.scheduler.members import Member, Reusable, Round, RoundTag, Session
+from tokendance.round_core.spans import Session
+from tokendance.vllm_plugin.scheduler.members import Member, Reusable, Round, RoundTag
 from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 
@@ -281,10 +282,7 @@ class RoundBook:
         member.finished = True
         if all_token_ids is not None:  # its prompt's pieces were cut when it came: kept, not cut again
             key = (member.tag.namespace, member.tag.agent_id)
-            pieces = {}
-            for p in member.pieces:
-                pieces.setdefault(p.key, p.start)
-            self.sessions[key] = Session(list(all_token_ids), pieces, member.salt, list(block_hashes))
+            self.sessions[key] = Session(list(all_token_ids), member.pieces, member.salt, list(block_hashes))
             self.sessions.move_to_end(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)

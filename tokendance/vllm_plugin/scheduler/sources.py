@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from tokendance.round_core import planning
 from tokendance.round_core.spans import Span, common_prefix, overlap
 from tokendance.vllm_plugin.step_plan import ReusedSpan
-from tokendance.vllm_plugin.scheduler.members import Held, Member, Reusable, Session
+from tokendance.round_core.spans import Session
+from tokendance.vllm_plugin.scheduler.members import Held, Member, Reusable
 from tokendance.vllm_plugin.scheduler.store_index import StoredAgent
 
 @dataclass
@@ -128,7 +129,7 @@ class SpanPlanner:
         session, cached, stored, size = recall.session, recall.cached, recall.stored, self.block_size
         out = []
         for p in member.pieces:
-            was = session.pieces.get(p.key)
+            was = session.starts.get(p.key)
             n = p.end - p.start
             if (was is None or p.start < start or p.end >= len(member.token_ids) or n < self.min_piece_tokens
                     or any(overlap(p.start, p.end, a, b) for a, b in taken)):
