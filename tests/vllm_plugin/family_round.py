@@ -4,7 +4,7 @@ prompts computed exactly; writes each agent's role, claimed tokens and first-tok
 
     python tests/vllm_plugin/family_round.py MODEL_FOLDER OUT.json [SETTINGS_JSON [ENGINE_JSON [SAMPLING_JSON]]]
 
-(SETTINGS_JSON: more of the connector's settings, e.g. '{"pass_tokens_per_step": 0}'; ENGINE_JSON:
+(SETTINGS_JSON: more of the connector's settings, e.g. '{"recompute_ratio": 0.3}'; ENGINE_JSON:
 more of `vllm.LLM`'s arguments, e.g. '{"tensor_parallel_size": 2}'; SAMPLING_JSON: of
 `SamplingParams`', e.g. '{"max_tokens": 160, "ignore_eos": true}'.) Also writes each agent's output
 `tokens`, `preemptions` (vLLM's count, where its stats are on: '{"disable_log_stats": false}'), and

@@ -249,44 +249,6 @@ def test_mirrors_that_arrive_first_wait_for_the_round_and_its_master(vllm_llm):
     assert tokens(done) == tokens(exact)
 
 
-def test_a_pass_advances_by_slices_while_another_request_decodes(vllm_llm):
-    """Asynchronous passes: while a request decodes, the mirrors wait as vLLM's asynchronous loads
-    and their pass advances by at most `pass_tokens_per_step` per engine step, so the decoder gets a
-    token in every step the pass is in flight; once it ends the mirrors answer vLLM's exact tokens
-    (ratio 1.0)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = get_kv_transfer_group().worker  # the worker side (vLLM runs in this process)
-    prompts = round_prompts(vllm_llm, 4, seed=6)
-    engine = vllm_llm.llm_engine
-    round_id = f"r{next(_ids)}"
-    engine.add_request(f"{round_id}-decoder", TokensPrompt(prompt_token_ids=prompts["agent000"][:100], cache_salt="dec"),
-                       SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-    while not any(o.outputs[0].token_ids for o in engine.step()):
-        pass
-    for agent, ids in prompts.items():
-        tag = {"round_id": round_id, "round_size": 4, "agent_id": agent, "recompute_ratio": 1.0}
-        engine.add_request(f"{round_id}-{agent}", TokensPrompt(prompt_token_ids=ids, cache_salt=f"s-{agent}"),
-                           SamplingParams(temperature=0, max_tokens=8,
-                                          extra_args={"kv_transfer_params": {"tokendance": tag}}))
-    done, in_flight_steps, decoded = {}, 0, None
-    while len(done) < 4:
-        outputs = engine.step()
-        decoder = [o for o in outputs if o.request_id.endswith("-decoder")]
-        if worker.passes:  # a pass still in flight after this step: the decoder must have moved on
-            in_flight_steps += 1
-            assert decoder and len(decoder[0].outputs[0].token_ids) > (decoded or 0)
-        if decoder:
-            decoded = len(decoder[0].outputs[0].token_ids)
-        done.update({o.request_id.removeprefix(f"{round_id}-"): o for o in outputs
-                     if o.finished and not o.request_id.endswith("-decoder")})
-    engine.abort_request([f"{round_id}-decoder"])
-    assert in_flight_steps >= 2  # one pass spread over several steps
-    assert sorted(roles(done).values()) == ["master"] + ["mirror"] * 3
-    exact = generate(vllm_llm, prompts, "slicesref", max_tokens=8)
-    assert tokens(done) == tokens(exact)
-
-
 def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm, monkeypatch):
     """A failure injected in each stage of the connector, on the scheduler side (planning, and the
     book-keeping of requests' finishes) and the workers' (building the
@@ -383,12 +345,14 @@ def preemptions(llm) -> float:
 def test_malformed_numeric_settings_are_refused_by_name():
     from tokendance.vllm_plugin.connector import Settings
 
-    for name, bad in (("pass_tokens_per_step", "256"), ("pass_tokens_per_step", -1), ("claim_tokens_per_step", 1.5),
+    for name, bad in (("claim_tokens_per_step", "256"), ("claim_tokens_per_step", -1), ("claim_tokens_per_step", 1.5),
                       ("check_layer", True), ("hold_timeout_s", "30"), ("round_timeout_s", -0.1),
                       ("store_gib", "1"), ("store_gib", -0.5)):
         with pytest.raises(ValueError, match=name):
             Settings.from_extra({name: bad})
-    assert Settings.from_extra({"pass_tokens_per_step": 256, "round_timeout_s": 1}).pass_tokens_per_step == 256
+    assert Settings.from_extra({"claim_tokens_per_step": 256, "round_timeout_s": 1}).claim_tokens_per_step == 256
+    with pytest.raises(ValueError, match="unknown .*pass_tokens_per_step"):  # sliced passes are gone: refused by name
+        Settings.from_extra({"pass_tokens_per_step": 256})
 
 
 def test_every_counter_on_metrics_is_documented():

@@ -1,9 +1,7 @@
 """The connector's pass on the model families it accepts, each a small random-weight model
 written by transformers with that family's config class (biases in Qwen2's q/k/v, Qwen3's
 per-head q/k norms, Llama 3's scaled RoPE): at recompute ratio 1.0 a round's first-token
-log-probs equal vLLM's exact computation (each model in a vLLM of its own, in a subprocess). Qwen3's
-round runs its pass as vLLM's asynchronous loads (`pass_tokens_per_step: 256`), the others
-synchronously (the default)."""
+log-probs equal vLLM's exact computation (each model in a vLLM of its own, in a subprocess)."""
 
 from __future__ import annotations
 
@@ -60,14 +58,13 @@ def run_round(folder: Path, out: Path, settings: dict, engine: dict | None = Non
     return json.loads(out.read_text())
 
 
-# Qwen3 (per-head q/k norms, the asynchronous pass) runs in `make test`; Qwen2's biases and Llama 3's
+# Qwen3 (per-head q/k norms) runs in `make test`; Qwen2's biases and Llama 3's
 # scaled RoPE, each a vLLM of its own (~13 s), in `make test-slow`.
 @pytest.mark.parametrize("family", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3",
                                     pytest.param("llama3", marks=pytest.mark.slow)])
 def test_ratio_one_round_matches_exact_logprobs(family, model_folder, tmp_path):
     folder = write_model(family, model_folder, tmp_path / family)
-    settings = {"pass_tokens_per_step": 256} if family == "qwen3" else {}
-    result = run_round(folder, tmp_path / "round.json", settings)
+    result = run_round(folder, tmp_path / "round.json", {})
     reused, exact = result["reused"], result["exact"]
     assert sorted(a["role"] for a in reused.values()) == ["master", "mirror", "mirror", "mirror"]
     assert all(a["claimed"] > 0 for a in reused.values() if a["role"] == "mirror")

@@ -4,7 +4,7 @@ import pytest
 
 from tokendance.round_core.spans import Boundaries, cut_spans
 from tokendance.vllm_plugin.scheduler.round_book import RoundBook
-from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag, Stage
 
 NL = 0  # the boundary token of these prompts
 CUT = Boundaries(frozenset({NL}))
@@ -179,8 +179,9 @@ def test_mirrors_fall_back_to_exact_when_their_master_is_gone_or_too_slow():
 
 
 def test_masters_blocks_are_released_once_no_mirror_needs_them():
-    """Pinned until every mirror's pass has read them: sent to the workers is not enough (a pass
-    runs over several steps), nor a mirror's request ending while its pass runs."""
+    """Pinned until every mirror's load has gone to the workers (their pass fills it in that step,
+    before vLLM's forward) or its request ended first (it never reads them); the master may finish
+    before its mirrors."""
     b = book()
     _, master, mirrors = planned(b)
     assert b.mark_ready(master, [3, 4]) == [3, 4]
@@ -188,13 +189,10 @@ def test_masters_blocks_are_released_once_no_mirror_needs_them():
     assert b.releasable() == []
     for mirror in mirrors:
         assert b.claim(mirror, 0, now=0.0) > 0
-        b.find(mirror).loaded = True
-    assert b.releasable() == []
-    first, second = (b.find(m) for m in mirrors)
-    first.filled = True
-    b.finish(mirrors[1])  # aborted while its pass runs
-    assert b.releasable() == []
-    second.filled = True
+    first = b.find(mirrors[0])
+    assert b.sent(first) == [] and first.stage == Stage.SENT
+    assert b.releasable() == []  # the second still reads them
+    b.finish(mirrors[1])  # aborted before its load was sent
     assert sorted(b.releasable()) == [3, 4]
     assert b.releasable() == []  # once
     b.finish(mirrors[0])
@@ -215,7 +213,7 @@ def test_a_mirror_resumed_after_preemption_is_computed_exactly():
     _, master, (mirror, other) = planned(b)
     b.mark_ready(master, [5])
     assert b.claim(mirror, 0, now=0.0) > 0
-    b.find(mirror).loaded = True  # its load went to the workers; then vLLM preempted it
+    b.sent(b.find(mirror))  # its load went to the workers; then vLLM preempted it
     assert b.claim(mirror, 0, now=0.1) == 0 and b.find(mirror).role == "exact"
     assert b.claim(other, 0, now=0.1) > 0  # the others are not affected
 

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from tokendance.round_core.spans import Span
 
-MASTER, MIRROR, EXACT = "master", "mirror", "exact"  # a member's role in its round's plan
+class Role(StrEnum):
+    """A member's role in its round's plan (`WAITING`: not planned yet)."""
+
+    WAITING = "waiting"
+    MASTER = "master"  # computes its prompt in full: the sources of the shared spans
+    MIRROR = "mirror"  # reuses shared spans from their sources
+    EXACT = "exact"  # computes its prompt in full, a source of nothing
 
 
 def reusable_spans(spans: Sequence[Span], candidates: Sequence[int], prepared: int, keeps_prefix_exact: bool,
@@ -152,11 +159,11 @@ def assign_sources(reused_of: Sequence[Sequence[Span]], order: Sequence[int], ma
     where = dict(masters.where)
     provided: dict[bytes, Source] = {}
     for index in masters.members:
-        plans[index] = MemberPlan(MASTER)
+        plans[index] = MemberPlan(Role.MASTER)
     for index in order:
         if plans[index] is not None:
             continue
-        plan = MemberPlan(MIRROR)
+        plan = MemberPlan(Role.MIRROR)
         for span in reused_of[index]:
             if span.key is None:
                 continue
@@ -168,7 +175,7 @@ def assign_sources(reused_of: Sequence[Sequence[Span]], order: Sequence[int], ma
             elif all(p.key != span.key for p in plan.provides):
                 plan.provides.append(span)
         if not plan.reused:
-            plan.role = MASTER if plan.provides else EXACT
+            plan.role = Role.MASTER if plan.provides else Role.EXACT
             where.update({p.key: [(index, p.start)] for p in plan.provides})
         else:
             provided.update({p.key: (index, p.start) for p in plan.provides})

@@ -7,10 +7,7 @@ KV connector. Turn it on with
 `kv_connector_extra_config`: `recompute_ratio` (0.05), `selection` ("epic"), `check_layer`
 (1), `round_timeout_s` (0.25: how long a round waits for its members), `hold_timeout_s` (30: how
 long a mirror waits for its masters before it is computed exactly), `claim_tokens_per_step`
-(8192: the claimed tokens one step's pass fills at most; 0 for no limit), `pass_tokens_per_step`
-(0: each pass runs whole before the forward of the step that admits its mirrors; n > 0: the
-mirrors wait as vLLM's asynchronous loads and, while requests decode, the workers advance the
-passes by at most n full-model token equivalents per engine step), `store_gib` (0: the session
+(8192: the claimed tokens one step's pass fills at most; 0 for no limit), `store_gib` (0: the session
 store's budget; > 0: every round member's KV is kept at rest in Master-Mirror form in the
 workers' memory, and read back where vLLM's prefix cache lost it: `store.py`),
 `transparent_rounds` (false: the endpoint gathers chat requests that name no round into rounds),

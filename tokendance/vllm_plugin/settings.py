@@ -19,8 +19,6 @@ class Settings:
     round_timeout_s: float = 0.25
     hold_timeout_s: float = 30.0
     claim_tokens_per_step: int = 8192
-    # >0: asynchronous passes, sliced while requests decode (measured slower on CPU: docs/vllm-plugin.md)
-    pass_tokens_per_step: int = 0
     anchors: int = 1  # in-round anchors: each shared piece computed in full by up to this many masters
     store_gib: float = 0.0  # the session store's budget (0: no store)
     # the endpoint gathers chat requests that name no round into rounds (`http/gathering.py`)
@@ -36,8 +34,8 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
-        for name in ("check_layer", "claim_tokens_per_step", "pass_tokens_per_step", "round_timeout_s", "hold_timeout_s",
-                     "store_gib", "gather_window_s"):
+        for name in ("check_layer", "claim_tokens_per_step", "round_timeout_s", "hold_timeout_s", "store_gib",
+                     "gather_window_s"):
             value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type
             numeric = (int,) if kind in (int, "int") else (int, float)
             if isinstance(value, bool) or not isinstance(value, numeric) or value < 0:

@@ -56,12 +56,10 @@ class MirrorLoad:
 @dataclass
 class StepOrders:
     """One engine step's work for the workers, in their order: the session store's saves, drops
-    and closed rounds (`store.py`), then this step's mirrors (one pass), advanced by `budget`
-    full-model token equivalents (0: to their end). `failed`: requests whose claim the scheduler
+    and closed rounds (`store.py`), then this step's mirrors (one pass). `failed`: requests whose claim the scheduler
     side could not plan after vLLM took it, (request id, claimed blocks): reported as load errors."""
 
     loads: list[MirrorLoad] = field(default_factory=list)
-    budget: float = 0
     saves: list[SaveOrder] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)
     closes: list[int] = field(default_factory=list)

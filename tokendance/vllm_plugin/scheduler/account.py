@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tokendance.round_core.spans import common_prefix
-from tokendance.round_core.spans import overlap
-from tokendance.round_core.spans import Session
+from tokendance.round_core.planning import Role
+from tokendance.round_core.spans import Session, common_prefix, overlap
 from tokendance.vllm_plugin.scheduler.members import Member
 
 
@@ -28,7 +27,7 @@ def count_tokens(member: Member, session: Session | None, min_piece_tokens: int)
     - `moved`: pieces its agent's previous request held at other positions, no longer cached;
     - `private`: the rest (its own text, the tail after its last reused piece)."""
     history = common_prefix(member.token_ids, session.token_ids) if session else 0
-    if member.role != "mirror" or member.claim is None:
+    if member.role != Role.MIRROR or member.claim is None:
         counts = _computed_in_full(member, history)
     else:
         counts = _computed_beside_claim(member, session, history, min_piece_tokens)
@@ -47,7 +46,7 @@ def _computed_in_full(member: Member, history: int) -> Counter:
     start, total = member.num_computed, len(member.token_ids)
     claimed = 0 if member.claim is None else member.claim[1] - member.claim[0]
     lost = overlap(start + claimed, total, 0, history)
-    counts[f"computed_tokens.{'master' if member.role == 'master' else 'exact'}"] += total - start - claimed - lost
+    counts[f"computed_tokens.{'master' if member.role == Role.MASTER else 'exact'}"] += total - start - claimed - lost
     counts["computed_tokens.history"] += lost
     return counts
 

@@ -26,8 +26,10 @@ session's history, a master's identical system prompt) are copied exactly: no ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from tokendance.registry import MAX_ANCHORS, valid_anchors
+from tokendance.round_core.planning import Role
 from tokendance.round_core.spans import Span
 from tokendance.vllm_plugin.step_plan import ReusedSpan
 
@@ -98,27 +100,38 @@ class Reusable:
     sources: list[Held]
 
 
+class Stage(IntEnum):
+    """How far a member's claim has gone, in order (only the round book moves it)."""
+
+    ARRIVED = 0  # in its round; no claim allocated (it may hold a claim vLLM has not taken yet)
+    COMMITTED = 1  # vLLM allocated its claim: its load goes to the workers in this step
+    SENT = 2  # its load went to the workers, whose pass fills it before vLLM's forward of that step
+
+
 @dataclass
 class Member:
-    """One request of a round. A mirror's `reusable`: each piece it reuses, with its sources."""
+    """One request of a round, written by the round book only. `role`: its part in the plan;
+    `stage`: its claim's progress; `ready`: its KV is computed (a master's prompt, a first holder's
+    pass sent); `failed`: its pass failed or it left its round on a failure (it provides nothing);
+    `finished`: vLLM finished the request. A mirror's `reusable`: each piece it reuses, with its
+    sources."""
 
     request_id: str
     tag: RoundTag
     token_ids: list[int]
     arrived: float
     pieces: list[Span] = field(default_factory=list)  # its prompt cut (`round_core.spans.cut_spans`)
-    role: str = "waiting"  # waiting -> master | mirror | exact
+    role: Role = Role.WAITING  # -> master | mirror | exact (a mirror may end exact)
+    stage: Stage = Stage.ARRIVED
     reusable: list[Reusable] = field(default_factory=list)
     unmastered: set[bytes] = field(default_factory=set)  # a mirror's shared pieces no master holds
     ready: bool = False  # a master whose prompt has been computed (its KV exists)
-    claim: tuple[int, int] | None = None  # a mirror's claimed range [start, end)
-    loaded: bool = False  # a mirror whose load was sent to the workers
-    sent_step: int = -1  # ... in this step of the book's
-    failed: bool = False  # ... and whose pass failed (its blocks are vLLM's to recompute)
-    # ... a first holder whose pieces are not pinned for later steps (the pool's pin limit): a
-    # member admitted in a later step computes them
+    claim: tuple[int, int] | None = None  # its claimed range [start, end)
+    sent_step: int = -1  # the book's step its load was sent in
+    failed: bool = False
+    # a first holder whose pieces are not pinned for later steps (the pool's pin limit): a member
+    # admitted in a later step computes them
     unpinned: bool = False
-    filled: bool = False  # ... and whose pass the workers finished
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)  # a ready master's blocks (pinned)
     num_computed: int = 0  # vLLM's own prefix hit at the latest claim
@@ -126,7 +139,6 @@ class Member:
     salt: str | None = None
     provides: list[tuple[int, int]] = field(default_factory=list)  # pieces no master computes, it first
     provides_end: int = 0  # where the last of them ends
-    committed: bool = False  # vLLM allocated its claim (its pass runs in this step or ran before)
     spans: list[ReusedSpan] = field(default_factory=list)  # a mirror's claim: what fills it, by source
     session_blocks: list[int] = field(default_factory=list)  # its session's blocks the claim reads
     store_entry: str | None = None  # the session store's entry the claim reads
@@ -138,11 +150,8 @@ class Member:
 
     @property
     def needs_masters(self) -> bool:
-        """A mirror whose pass has not read its sources yet (sent to the workers and not filled,
-        even if its request ended meanwhile: the workers finish a pass they started)."""
-        if self.role != "mirror" or self.filled:
-            return False
-        return self.loaded or not self.finished
+        """A mirror whose pass has not read its sources yet (a request that ended first never will)."""
+        return self.role == Role.MIRROR and self.stage < Stage.SENT and not self.finished
 
 
 @dataclass

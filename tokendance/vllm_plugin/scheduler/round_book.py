@@ -11,12 +11,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokendance.round_core.spans import Boundaries, cut_spans
+from tokendance.round_core.planning import Role
+from tokendance.round_core.spans import Boundaries, Session, cut_spans
 from tokendance.vllm_plugin.step_plan import ReusedSpan
 from tokendance.vllm_plugin.scheduler.account import count_tokens
 from tokendance.vllm_plugin.scheduler.sources import Recall, SpanPlanner, plan_round, trim
-from tokendance.round_core.spans import Session
-from tokendance.vllm_plugin.scheduler.members import Member, Reusable, Round, RoundTag
+from tokendance.vllm_plugin.scheduler.members import Member, Reusable, Round, RoundTag, Stage
 from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 
@@ -70,7 +70,7 @@ class RoundBook:
         round_ = self.rounds.get(key)
         if round_ is None or round_.planned:  # a planned round takes no one: a late member is exact
             if round_ is not None:
-                self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role="exact", salt=salt))
+                self.members[request_id] = (round_, Member(request_id, tag, token_ids, now, role=Role.EXACT, salt=salt))
                 return
             self.serials += 1
             round_ = self.rounds[key] = Round(key, tag.round_size, now, serial=self.serials)
@@ -104,10 +104,10 @@ class RoundBook:
             self._plan(round_)
         if member.finished:
             return 0
-        if member.role != "mirror":
+        if member.role != Role.MIRROR:
             return self._claim_history(member, num_computed)
-        if member.loaded:  # resumed after a preemption: its masters may be unpinned by now
-            member.role = "exact"
+        if member.stage == Stage.SENT:  # resumed after a preemption: its masters may be unpinned by now
+            member.role = Role.EXACT
             return 0
         return self._claim_mirror(member, num_computed, now)
 
@@ -115,19 +115,19 @@ class RoundBook:
         """A mirror's claim once its sources are readable: up to the end of its last reused piece
         (or of the pieces it provides), within this step's claim budget."""
         sources, waiting = self._readable_sources(member, num_computed)
-        masters = {id(h.member): h.member for r in sources for h in r.sources if h.member.role == "master"}
+        masters = {id(h.member): h.member for r in sources for h in r.sources if h.member.role == Role.MASTER}
         if any(m.finished and not m.ready for m in masters.values()):  # a master gone before computing
-            member.role = "exact"
+            member.role = Role.EXACT
             return 0
         if waiting or not all(m.ready for m in masters.values()):
             if now - member.arrived > self.hold_timeout_s:
-                member.role = "exact"
+                member.role = Role.EXACT
                 return 0
             self.counters["held_steps"] += 1
             return None
         self._fill(member, sources, num_computed)
         if not member.spans:  # all in vLLM's prefix cache already
-            member.role = "exact"
+            member.role = Role.EXACT
             return 0
         end = max(member.spans[-1].start + member.spans[-1].length, member.provides_end)
         budget, count = self.claim_tokens_per_step, end - num_computed
@@ -147,16 +147,16 @@ class RoundBook:
         for piece in trim(member.reusable, num_computed):
             first = piece.sources[0].member
             filled = first.ready and first.provides_later and self.step - first.sent_step >= self.confirm_steps
-            if first.role == "master" or filled or (first.committed and not first.loaded):
+            if first.role == Role.MASTER or filled or first.stage == Stage.COMMITTED:
                 sources.append(piece)
-            elif first.role == "mirror" and not first.finished and first.provides_later:
+            elif first.role == Role.MIRROR and not first.finished and first.provides_later:
                 waiting = True  # the piece's first holder is not admitted yet, or its pass not confirmed
         return sources, waiting
 
     def _claim_history(self, member: Member, num_computed: int) -> int:
         """A master's or exact member's claim: its history past vLLM's hit, exact (once: not again
         after a preemption)."""
-        if member.loaded:
+        if member.stage == Stage.SENT:
             return 0
         self._fill(member, [], num_computed, moved=False)
         if not member.spans:
@@ -196,16 +196,16 @@ class RoundBook:
         member = self.find(request_id)
         if member is None:
             return None
-        if member.claim is not None and not member.loaded:
+        if member.claim is not None and member.stage < Stage.SENT:
             if num_external and num_external == member.claim[1] - member.claim[0]:
-                if member.role == "mirror":  # a history claim is a copy: not counted against the pass
+                if member.role == Role.MIRROR:  # a history claim is a copy: not counted against the pass
                     self.claimed_this_step += num_external
-                member.committed = True
+                member.stage = Stage.COMMITTED
                 member.block_ids = []  # filled when its load is sent (a piece it provides is read from them)
                 self._count(member)
                 return member
-            if member.role == "mirror":
-                member.role = "exact"
+            if member.role == Role.MIRROR:
+                member.role = Role.EXACT
             else:
                 member.claim, member.spans = None, []
         self._count(member)
@@ -236,13 +236,21 @@ class RoundBook:
     def sent(self, member: Member) -> list[int]:
         """A mirror's load goes to the workers in this step; the blocks to pin for the members that
         read the pieces it provides in later steps."""
-        member.loaded, member.sent_step = True, self.step
+        member.stage, member.sent_step = Stage.SENT, self.step
         return self.mark_ready(member.request_id, member.block_ids) if member.provides_end else []
+
+    def drop(self, request_id: str) -> int | None:
+        """It leaves its round on a failure: a source of nothing, finished for the book (`finish`)."""
+        member = self.find(request_id)
+        if member is None:
+            return None
+        member.failed = True
+        return self.finish(request_id)
 
     def failed_blocks(self, block_ids: set[int]) -> None:
         """The workers could not fill these blocks: the mirrors holding them provide nothing."""
         for _, member in self.members.values():
-            if member.loaded and not member.failed and not block_ids.isdisjoint(member.block_ids):
+            if member.stage == Stage.SENT and not member.failed and not block_ids.isdisjoint(member.block_ids):
                 member.failed = True
 
     def mark_ready(self, request_id: str, block_ids: list[int]) -> list[int]:
@@ -252,7 +260,7 @@ class RoundBook:
         round_, member = self.members[request_id]
         member.ready = True
         member.block_ids = list(block_ids)
-        if member.role == "master":
+        if member.role == Role.MASTER:
             pinned = list(block_ids)
         else:
             size = self.block_size
@@ -303,7 +311,7 @@ class RoundBook:
         return freed
 
     def masters_to_watch(self) -> list[Member]:
-        return [m for _, m in self.members.values() if m.role == "master" and not m.ready and not m.finished]
+        return [m for _, m in self.members.values() if m.role == Role.MASTER and not m.ready and not m.finished]
 
     def take_counters(self) -> dict[str, int]:
         counters, self.counters = self.counters, Counter()
@@ -339,4 +347,4 @@ class RoundBook:
 def _reads_back(first: Member) -> bool:
     """A piece's only source keeps it readable as the session store's master: a master, or a first
     holder whose pass ran and whose blocks are pinned."""
-    return first.role == "master" or bool(first.provides_end and first.ready and first.provides_later and not first.finished)
+    return first.role == Role.MASTER or bool(first.provides_end and first.ready and first.provides_later and not first.finished)

@@ -24,7 +24,7 @@ from typing import Any
 from tokendance.round_core.spans import Boundaries
 from tokendance.vllm_plugin.step_plan import MirrorLoad, StepOrders
 from tokendance.vllm_plugin.scheduler.round_book import RoundBook
-from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag
+from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag, Stage
 from tokendance.vllm_plugin.scheduler.store_index import StoreIndex
 
 logger = logging.getLogger("tokendance.vllm")
@@ -45,7 +45,6 @@ class SchedulerSide:
         self.block_pool = None  # vLLM's, once bound
         self.pending: dict[str, Any] = {}  # request id -> member whose claim was allocated
         self.session_pins: dict[str, list[int]] = {}  # request id -> its session's blocks its claim reads
-        self.in_flight: dict[str, Any] = {}  # request id -> member whose pass the workers run
         self.store_pins: dict[str, str] = {}  # request id -> the store entry its claim reads
         self.failed: list[tuple[str, list[int]]] = []  # (request id, claimed blocks) to report as load errors
         self.counters: dict[str, int] = {}
@@ -90,18 +89,14 @@ class SchedulerSide:
         claimed, go to the workers, which report them as load errors. vLLM computes it exactly."""
         self._lost(reason, f"request {request_id}")
         self.pending.pop(request_id, None)
-        self.in_flight.pop(request_id, None)
         if claimed_block_ids:
             self.failed.append((request_id, list(claimed_block_ids)))
         try:
             self._unpin_session(request_id)
-            member = self.book.find(request_id)
-            if member is not None:
-                member.failed = True
-                closed = self.book.finish(request_id)
-                if closed is not None and self.store_index is not None:
-                    self.store_index.closes.append(closed)
-                self._release(self.book.releasable())
+            closed = self.book.drop(request_id)
+            if closed is not None and self.store_index is not None:
+                self.store_index.closes.append(closed)
+            self._release(self.book.releasable())
         except Exception:  # the book could not let it go: its round's hold timeout will
             self._lost("bookkeeping", f"taking request {request_id} out of its round")
 
@@ -146,7 +141,7 @@ class SchedulerSide:
         except Exception:
             self._failed(request.request_id)
             return 0, False
-        return count, bool(count) and self.settings.pass_tokens_per_step > 0
+        return count, False  # the workers fill the claim before vLLM's forward of the step that admits it
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
@@ -163,7 +158,7 @@ class SchedulerSide:
 
     def build_orders(self, scheduler_output) -> StepOrders:
         """This step's work for the workers; the book's step ends."""
-        orders = StepOrders()
+        orders, sent = StepOrders(), []
         for request_id, member in list(self.pending.items()):
             start, end = member.claim
             load = MirrorLoad(request_id, list(member.block_ids), start, member.token_ids[start:end],
@@ -177,7 +172,7 @@ class SchedulerSide:
                 self._failed(request_id, load.block_ids[start // self.book.block_size:])
                 continue
             orders.loads.append(load)
-            self.in_flight[request_id] = member
+            sent.append(request_id)
         if self.store_index is not None:  # the pieces the store keeps as masters, once these passes ran
             for load in list(orders.loads):
                 try:
@@ -188,11 +183,9 @@ class SchedulerSide:
                     self._failed(load.request_id, load.block_ids[load.start // self.book.block_size:])
         self.pending.clear()
         orders.failed, self.failed = self.failed, []
-        if self.settings.pass_tokens_per_step > 0 and any(n == 1 for n in scheduler_output.num_scheduled_tokens.values()):
-            orders.budget = self.settings.pass_tokens_per_step  # someone decodes: advance the passes by slices
         try:
-            if self.settings.pass_tokens_per_step <= 0:  # the workers run these passes whole in this step
-                self._filled(list(self.in_flight))
+            for request_id in sent:  # the workers run these passes in this step, before vLLM's forward
+                self._unpin_session(request_id)
             self._watch_masters(scheduler_output)
             self._release(self.book.releasable())
             self.book.next_step()
@@ -211,7 +204,6 @@ class SchedulerSide:
     def _update(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.book.failed_blocks(set(connector_output.invalid_block_ids))
-        self._filled(connector_output.finished_recving or ())
         if self.store_index is not None:
             report = connector_output.kv_connector_worker_meta
             self.store_index.reported(connector_output.finished_sending or (), getattr(report, "sizes", {}),
@@ -219,15 +211,6 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return self.store_index is not None and self.store_index.busy
-
-    def _filled(self, request_ids) -> None:
-        """The workers finished these mirrors' passes: the sources they read are free to go."""
-        for request_id in request_ids:
-            member = self.in_flight.pop(request_id, None)
-            if member is not None:
-                member.filled = True
-            self._unpin_session(request_id)
-        self._release(self.book.releasable())
 
     def _watch_masters(self, scheduler_output) -> None:
         """Masters whose prompt is computed in this step: their blocks are pinned until the round's
@@ -263,24 +246,22 @@ class SchedulerSide:
     def _finish(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         member = self.book.find(request.request_id)
         self.pending.pop(request.request_id, None)
-        if request.request_id not in self.in_flight:  # else its pass still reads them (vLLM keeps its blocks)
-            self._unpin_session(request.request_id)
+        self._unpin_session(request.request_id)
         if member is None:
             return False, None
         closed = self.book.finish(request.request_id, request.all_token_ids, request.block_hashes)
         self._release(self.book.releasable())
-        claimed = 0 if member.claim is None or not member.loaded else member.claim[1] - member.claim[0]
+        claimed = 0 if member.claim is None or member.stage < Stage.SENT else member.claim[1] - member.claim[0]
         saving = self._save(request, member, block_ids)
         if closed is not None and self.store_index is not None:
             self.store_index.closes.append(closed)
-        return saving, {"tokendance": {"role": member.role, "claimed_tokens": claimed}}
+        return saving, {"tokendance": {"role": str(member.role), "claimed_tokens": claimed}}  # a plain str crosses processes
 
     def _save(self, request, member, block_ids: list[int]) -> bool:
         """Keep a finished member's KV in the store (its blocks held until the workers copied
-        them); not a mirror whose pass is still running, nor one the store cannot name."""
+        them); not one the store cannot name."""
         length = min(request.num_computed_tokens, len(block_ids) * self.book.block_size)
-        if (self.store_index is None or not (member.salt or member.tag.transparent) or length <= 0
-                or request.request_id in self.in_flight or (member.role == "mirror" and member.loaded and not member.filled)):
+        if self.store_index is None or not (member.salt or member.tag.transparent) or length <= 0:
             return False
         pieces = [(p.key, p.start, p.end) for p in member.pieces if p.end <= length]
         self.store_index.save((member.tag.namespace, member.tag.agent_id), member.salt,

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokendance.round_core import planning
-from tokendance.round_core.spans import Span, common_prefix, overlap
+from tokendance.round_core.planning import Role
+from tokendance.round_core.spans import Session, Span, common_prefix, overlap
 from tokendance.vllm_plugin.step_plan import ReusedSpan
-from tokendance.round_core.spans import Session
 from tokendance.vllm_plugin.scheduler.members import Held, Member, Reusable
 from tokendance.vllm_plugin.scheduler.store_index import StoredAgent
 
@@ -114,7 +114,7 @@ class SpanPlanner:
         out = []
         for r in trim(sources, start):
             (first, *more), s, n = r.sources, r.start, r.length
-            if first.member.role != "master" and not first.member.ready:  # its first holder's pass is this step's
+            if first.member.role != Role.MASTER and not first.member.ready:  # its first holder's pass is this step's
                 out.append(ReusedSpan(s, n, first.member.block_ids, first.start, late=True))
             elif all(h.start == s and s + n <= same[id(h.member)] for h in r.sources):
                 out.append(ReusedSpan(s, n, first.member.block_ids, s, exact=True))

@@ -194,16 +194,13 @@ class MirrorPass:
 
     # ------------------------------------------------------------ the pass
 
-    def steps(self, loads: list[MirrorLoad]):
-        """Fill every load's claimed range, one decoder layer at a time: a generator that yields
-        each layer's cost in full-model token equivalents (its rows / the layer count), so that a
-        caller can spread the pass over engine steps (run each `next` under inference mode), and
-        returns what it did, as the connector's stats count it: `reused_tokens` (served from masters
-        or the mirror's session, exact copies included), `computed_tokens.selected` (reused-span
-        tokens recomputed), `computed_tokens.check` (the reused tokens' layers 0..c, in full-model
-        token equivalents), `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy,
-        recompute; `attention` inside check and recompute; `restore`: reads from the session store;
-        time between steps not counted)."""
+    def run(self, loads: list[MirrorLoad]) -> Counter:
+        """Fill every load's claimed range (call under inference mode); returns what it did, as the
+        connector's stats count it: `reused_tokens` (served from masters or the mirror's session,
+        exact copies included), `computed_tokens.selected` (reused-span tokens recomputed),
+        `computed_tokens.check` (the reused tokens' layers 0..c, in full-model token equivalents),
+        `pass_tokens` (claimed), `pass_seconds.<phase>` (check, select, copy, recompute;
+        `attention` inside check and recompute; `restore`: reads from the session store)."""
         clock = PhaseClock()
         for shim in self.shims:
             shim.seconds = 0.0
@@ -212,7 +209,7 @@ class MirrorPass:
         c = self.check_layer if self._selector(None).needs_check_pass else -1
         # 0. exact spans copied in every layer; the pass computes the other rows (`batch`)
         exact = self._copy_exact(loads, context, c, clock)
-        keep = yield from self._compute(loads, context, [~mask for mask in exact], c, clock)
+        keep = self._compute(loads, context, [~mask for mask in exact], c, clock)
         copied = sum(int(m.sum()) for m in exact)
         reused = int((~keep).sum())
         span_tokens = sum(span.length for load in loads for span in load.spans if not span.exact)
@@ -224,8 +221,8 @@ class MirrorPass:
         return report
 
     def _compute(self, loads, context, batch, c: int, clock: "PhaseClock"):
-        """Steps 1-4 over the rows `batch` marks in each load (a generator, as `steps`); returns
-        the mask of those rows recomputed in 4. (the others are reused)."""
+        """Steps 1-4 over the rows `batch` marks in each load; returns the mask of those rows
+        recomputed in 4. (the others are reused)."""
         device = self.layouts[0].cache.device
         counts = [int(m.sum()) for m in batch]
         ids = torch.cat([torch.tensor(load.token_ids, device=device)[m] for load, m in zip(loads, batch)])
@@ -246,8 +243,8 @@ class MirrorPass:
         fresh = None
         if c >= 0:
             self.shims[c].capture = True
-            hidden, residual = yield from self._layers(range(0, c + 1), positions, hidden, residual, write,
-                                                       attends, clock=clock, phase="check")
+            hidden, residual = self._layers(range(0, c + 1), positions, hidden, residual, write, attends,
+                                            clock=clock, phase="check")
             fresh = self.shims[c].keys
             self.shims[c].capture, self.shims[c].keys = False, None
         clock.lap("check")
@@ -264,9 +261,8 @@ class MirrorPass:
         rows = keep.nonzero().flatten()
         if len(later) and len(rows):
             attends = attends_of(rows, positions, context, counts)
-            yield from self._layers(later, positions[rows], hidden[rows],
-                                    None if residual is None else residual[rows], write[rows], attends, late,
-                                    clock=clock, phase="recompute")
+            self._layers(later, positions[rows], hidden[rows], None if residual is None else residual[rows],
+                         write[rows], attends, late, clock=clock, phase="recompute")
         elif late is not None:
             self._copy(*late, layers=later)
         clock.lap("recompute")
@@ -369,10 +365,9 @@ class MirrorPass:
             layout.write(dst_slots, *sources.read(layout, self.rotate, dst_pos))
 
     def _layers(self, indices, positions, hidden, residual, write, attends, late=None, *, clock, phase):
-        """Run decoder layers `indices` over the batch, yielding each layer's cost (its rows / the
-        layer count) after it; returns the last hidden state and residual. `late`: copies made in
-        each layer after its rows are written, before they attend (pieces their first holder
-        computes in this batch)."""
+        """Run decoder layers `indices` over the batch; returns the last hidden state and residual.
+        `late`: copies made in each layer after its rows are written, before they attend (pieces
+        their first holder computes in this batch)."""
         for index in indices:
             layer, shim = self.layers[index], self.shims[index]
             shim.write_slots, shim.attends = write, attends
@@ -387,8 +382,6 @@ class MirrorPass:
                 layer.self_attn.attn = attention
                 shim.write_slots, shim.attends, shim.after_write = None, [], None
             clock.lap(phase)
-            yield len(positions) / len(self.layers)
-            clock.last = time.perf_counter()  # the time between steps is not the pass's
         return hidden, residual
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The connector's worker side, in each of vLLM's workers: runs the steps' orders (`StepOrders`)
 from the scheduler side, in order: the session store's saves, drops and closed rounds, then the
-mirrors' passes (`worker/mirror_pass.py`), one per step, whole or advanced by the step's budget; reports what
-ended (`get_finished`), what failed (load errors) and what the store holds.
+mirrors' pass (`worker/mirror_pass.py`), one per step, before vLLM's forward; reports the saves that ended
+(`get_finished`), what failed (load errors) and what the store holds.
 
 Nothing that fails here stops vLLM's engine or fails a request: `_failed` counts the failure by
 stage (`mirrors_failed{reason}`) and logs it, and the mirrors' claimed blocks go back to vLLM as
@@ -41,8 +41,6 @@ class WorkerSide:
         self.kv_caches: dict[str, Any] = {}
         self.mirror_pass = None
         self.failed_block_ids: set[int] = set()
-        self.passes: list[tuple[list[MirrorLoad], Any]] = []  # (loads, their pass's steps), first first
-        self.filled: set[str] = set()  # mirrors whose pass ended since vLLM last asked
         self.store: SessionStore | None = None
         self.saved: dict[str, int] = {}  # entries saved since vLLM last asked -> their own bytes
         self.store_changed = False
@@ -82,34 +80,28 @@ class WorkerSide:
             self.failed_block_ids.update(claimed_block_ids(load, self.block_size))
 
     def run(self, orders: StepOrders) -> None:
-        """The store's work, then this step's new mirrors join the passes (one pass per step, run in
-        order); the passes advance by the step's budget, or to their end."""
+        """The store's work, then this step's mirrors, in one pass."""
         if orders.saves or orders.drops or orders.closes:
             self._store_work(orders.saves, orders.drops, orders.closes)
-        for request_id, block_ids in orders.failed:  # counted by the scheduler side
+        for _, block_ids in orders.failed:  # counted by the scheduler side
             self.failed_block_ids.update(block_ids)
-            self.filled.add(request_id)
-        if orders.loads:
-            try:
-                self.passes.append((orders.loads, self._pass().steps(orders.loads)))
-            except Exception:
-                self._failed("setup", len(orders.loads), orders.loads)
-                self.filled.update(load.request_id for load in orders.loads)
-        spent = 0.0
-        while self.passes and (not orders.budget or spent < orders.budget):
-            loads, steps = self.passes[0]
-            try:
-                with torch.inference_mode():
-                    spent += next(steps)
-                continue
-            except StopIteration as done:
-                self._count({"mirrors": len(loads), "passes": 1, **done.value})
-                if any(load.masters for load in loads):  # the sources they read are all written now
-                    self._capture(loads)
-            except Exception as exc:
-                self._failed("restore" if isinstance(exc, RestoreError) else "pass", len(loads), loads)
-            self.passes.pop(0)
-            self.filled.update(load.request_id for load in loads)
+        if not orders.loads:
+            return
+        loads = orders.loads
+        try:
+            mirror_pass = self._pass()
+        except Exception:
+            self._failed("setup", len(loads), loads)
+            return
+        try:
+            with torch.inference_mode():
+                report = mirror_pass.run(loads)
+        except Exception as exc:
+            self._failed("restore" if isinstance(exc, RestoreError) else "pass", len(loads), loads)
+            return
+        self._count({"mirrors": len(loads), "passes": 1, **report})
+        if any(load.masters for load in loads):  # the sources they read are all written now
+            self._capture(loads)
 
     def _capture(self, loads: list[MirrorLoad]) -> None:
         """The pieces these mirrors read from the members that computed them (masters, first
@@ -163,14 +155,8 @@ class WorkerSide:
         return self.store
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose KV the store took (vLLM frees their blocks now); mirrors whose pass ended
-        (asynchronous loads: vLLM schedules them next)."""
-        sent = set(self.saved) or None
-        if self.settings.pass_tokens_per_step <= 0 or not self.filled:
-            self.filled.clear()
-            return sent, None
-        filled, self.filled = self.filled, set()
-        return sent, filled
+        """Requests whose KV the store took (vLLM frees their blocks now); no loads are asynchronous."""
+        return set(self.saved) or None, None
 
     def store_report(self) -> tuple[dict[str, int], int] | None:
         """The store's entries saved since the last call (their own bytes; -1: failed) and its
