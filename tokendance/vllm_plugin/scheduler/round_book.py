@@ -335,10 +335,10 @@ class RoundBook:
         self.counters["rounds_single" if round_.size == 1 else "rounds_complete" if complete else "rounds_timed_out"] += 1
         anchors = next((m.tag.anchors for m in members if m.tag.anchors is not None), self.anchors)
         without_session = [self._session(m) is None for m in members]
-        for member, plan in zip(members, plan_round(members, anchors, self.min_piece_tokens, without_session)):
+        for member, (plan, reusable) in zip(members, plan_round(members, anchors, self.min_piece_tokens, without_session)):
             member.role = plan.role
             member.unmastered = plan.unmastered
-            member.reusable = plan.reusable
+            member.reusable = reusable
             member.provides = [(p.start, p.end) for p in plan.provides]
             member.provides_end = max((p.end for p in plan.provides), default=0)
             self.counters[f"members.{member.role}"] += 1

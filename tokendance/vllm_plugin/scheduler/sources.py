@@ -12,29 +12,19 @@ from dataclasses import dataclass, field
 
 from tokendance.round_core import planning
 from tokendance.round_core.planning import Role
-from tokendance.round_core.spans import Session, Span, common_prefix, overlap
+from tokendance.round_core.spans import Session, common_prefix, overlap
 from tokendance.vllm_plugin.step_plan import ReusedSpan
 from tokendance.vllm_plugin.scheduler.members import Held, Member, Reusable
 from tokendance.vllm_plugin.scheduler.store_index import StoredAgent
 
-@dataclass
-class MemberPlan:
-    """A member's part in its round's plan: its role (master | mirror | exact); a mirror's pieces
-    it reuses, each with every member (anchor) that computes it; its shared pieces no master
-    holds, and those of them it computes first (the later holders read them from it)."""
-
-    role: str
-    reusable: list[Reusable] = field(default_factory=list)
-    unmastered: set[bytes] = field(default_factory=set)
-    provides: list[Span] = field(default_factory=list)
-
 
 def plan_round(members: Sequence[Member], anchors: int, min_piece_tokens: int,
-               without_session: Sequence[bool]) -> list[MemberPlan]:
-    """Each member's plan, by the round core: its reused pieces (those another member holds too,
-    under the core's rules; `without_session`: a member whose agent left no session to read back,
-    whose prefix then stays exact where that is cheap), agent masters (vLLM computes requests
-    only: no neutral row), and first holders in arrival order."""
+               without_session: Sequence[bool]) -> list[tuple[planning.MemberPlan, list[Reusable]]]:
+    """Each member's plan by the round core, with the pieces it reuses as the plugin holds them
+    (each with every member that computes it): pieces another member holds too, under the core's
+    rules (`without_session`: a member whose agent left no session to read back, whose prefix then
+    stays exact where that is cheap); agent masters (vLLM computes requests only: no neutral row);
+    first holders in arrival order."""
     holders = Counter(key for m in members for key in {p.key for p in m.pieces})
     reused_of = []
     for member, fresh in zip(members, without_session):
@@ -45,9 +35,8 @@ def plan_round(members: Sequence[Member], anchors: int, min_piece_tokens: int,
     out = []
     for spans, plan in zip(reused_of, plans):
         lengths = {s.start: s.length for s in spans}
-        reusable = [Reusable(start, lengths[start], [Held(members[i], at) for i, at in sources])
-                    for start, sources in sorted(plan.reused.items())]
-        out.append(MemberPlan(plan.role, reusable, plan.unmastered, plan.provides))
+        out.append((plan, [Reusable(start, lengths[start], [Held(members[i], at) for i, at in sources])
+                           for start, sources in sorted(plan.reused.items())]))
     return out
 
 
