@@ -108,6 +108,21 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(replicas):
                            if k.startswith("tokendance_engine_running_requests")) == 0, timeout=60)
 
 
+def test_a_non_finite_number_anywhere_in_a_body_is_refused_by_name_at_the_endpoint(replicas):
+    """Python's JSON parser takes NaN and Infinity, JSON has no such numbers: the endpoint answers
+    400 naming the field, and never forwards the body (a replica's vLLM could leave it unanswered)."""
+    chat = {"model": replicas.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    for raw, field in (('"guided_json": {"type": "number", "maximum": NaN}', "guided_json.maximum"),
+                       ('"logit_bias": {"42": -Infinity}', "logit_bias.42"),
+                       ('"messages": [{"role": "user", "content": "Hi", "weight": Infinity}]', "messages.0.weight")):
+        body = {k: v for k, v in chat.items() if k != raw.split('"')[1]}
+        status, _, answer = replicas.request("POST", "/v1/chat/completions", json.dumps(body)[:-1].encode() + b", " + raw.encode() + b"}")
+        error = json.loads(answer)["error"]
+        assert status == 400 and error["param"] == field and "NaN and Infinity" in error["message"], answer
+    status, _, _ = replicas.request("POST", "/v1/chat/completions", chat)
+    assert status == 200  # the endpoint serves on
+
+
 @pytest.mark.slow  # ~40 s of killing and Ray's restart (make test-slow)
 def test_a_replica_killed_mid_round_fails_nobody_silently(replicas):
     listed = json.loads(replicas.request("GET", "/v1/replicas")[2])["data"]

@@ -249,50 +249,68 @@ def test_mirrors_that_arrive_first_wait_for_the_round_and_its_master(vllm_llm):
     assert tokens(done) == tokens(exact)
 
 
-def test_a_failure_at_any_stage_is_counted_and_computed_exactly_by_vllm(vllm_llm, monkeypatch):
-    """A failure injected in each stage of the connector, on the scheduler side (planning, and the
-    book-keeping of requests' finishes) and the workers' (building the
-    pass, the pass, the store's capture, save and restore, masters' and mirrors' alike): the round
-    answers vLLM's exact tokens (ratio 1.0), the failure is counted by reason on /metrics, and the
-    engine serves on (each stage's round runs after the previous one's failure)."""
+def test_a_fault_planted_at_any_stage_leaves_vllms_tokens_and_nothing_held(vllm_llm):
+    """A fault planted at every stage of the connector in turn (`faults.STAGES`: the scheduler side's
+    planning, claims, commits, step ends, the workers' reports and finishes; the workers' setup,
+    pass, the store's capture, save, load and drop), each through a round of its own: the round
+    answers vLLM's exact tokens (ratio 1.0), the fault is counted by stage apart from real failures,
+    and once the round is over vLLM's pool is back to its idle free blocks, with no pin of the
+    connector's left (sessions, store entries) and the store waiting for no save."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tokendance.vllm_plugin import model_handoff as handoff
-    from tokendance.vllm_plugin.scheduler.round_book import RoundBook
-    from tokendance.vllm_plugin.worker.store import SessionStore
-    from tokendance.vllm_plugin.worker.mirror_pass import MirrorPass
+    from tokendance.vllm_plugin.faults import STAGES
 
-    def fail(*args, **kwargs):
-        raise RuntimeError("injected by the test")
+    scheduler = vllm_llm.llm_engine.engine_core.engine_core.scheduler
+    side, worker = scheduler.connector.scheduler, get_kv_transfer_group().worker
+    pool = scheduler.kv_cache_manager.block_pool
+    side.book.hold_timeout_s = 3.0  # a fault that keeps masters from being seen ready holds mirrors this long
 
-    worker = get_kv_transfer_group().worker  # the worker side (vLLM runs in this process)
-    stages = {"plan": [(RoundBook, "_plan", fail)],
-              "bookkeeping": [(RoundBook, "finish", fail)],  # every member's finish: none is saved
-              "setup": [(worker, "mirror_pass", None), (handoff, "model", fail)],  # a model never handed over
-              "pass": [(MirrorPass, "_copy", fail), (SessionStore, "save", fail)],  # and the saves after it
-              "capture": [(SessionStore, "capture", fail)]}
+    def idle() -> tuple:
+        finish_store_work(vllm_llm)
+        return (pool.get_num_free_blocks(), side.session_pins, side.store_pins, side.pending,
+                sum(s.pins for s in side.store_index.entries.values()), side.store_index.busy)
+
     prompts = round_prompts(vllm_llm, 3, seed=8, memory_lines=(2, 4))  # ~300 tokens: a few seconds a round
-    exact = tokens(generate(vllm_llm, prompts, "failref", max_tokens=8))
+    exact = tokens(generate(vllm_llm, prompts, "faultref", max_tokens=8))
+    at_rest = idle()
+    assert at_rest[0] == pool.num_gpu_blocks - 1 and at_rest[1:] == ({}, {}, {}, 0, False)
     before = tokendance_counters(vllm_llm)
-    for stage, patches in stages.items():
-        with monkeypatch.context() as patch:
-            for target, name, value in patches:
-                patch.setattr(target, name, value)
-            reused = generate(vllm_llm, prompts, f"fail-{stage}", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
-            finish_store_work(vllm_llm)  # the members' saves, under the patch
+    reused = None
+    for stage in [s for s in STAGES if s != "store_load"]:
+        side.faults.rates[stage] = worker.faults.rates[stage] = 1.0
+        try:
+            reused = generate(vllm_llm, prompts, "fault", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
+            finish_store_work(vllm_llm)  # the members' saves and the store's drops, under the fault
+        finally:
+            side.faults.rates[stage] = worker.faults.rates[stage] = 0.0
         assert tokens(reused) == exact, stage
-    # the capture round's members are in the store; vLLM's prefix cache loses them, so the next
-    # round reads their histories back from the store, which fails
+        assert idle() == at_rest, stage
+    # the last round's members are in the store; vLLM's prefix cache loses them, so the next round
+    # reads their histories back from the store, which fails
     said = [{agent: o.outputs[0].text.strip() or "..." for agent, o in reused.items()}]
     second = round_prompts(vllm_llm, 3, round_index=1, history=said, seed=8, memory_lines=(2, 4))
     assert vllm_llm.reset_prefix_cache()
-    with monkeypatch.context() as patch:
-        patch.setattr(SessionStore, "rows", fail)
-        restored = generate(vllm_llm, second, "fail-capture", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
-    assert tokens(restored) == tokens(generate(vllm_llm, second, "failref2", max_tokens=8))
+    worker.faults.rates["store_load"] = 1.0
+    try:
+        restored = generate(vllm_llm, second, "fault", round_id=f"r{next(_ids)}", ratio=1.0, max_tokens=8)
+    finally:
+        worker.faults.rates["store_load"] = 0.0
+    assert tokens(restored) == tokens(generate(vllm_llm, second, "faultref2", max_tokens=8))
+    assert idle()[1:] == at_rest[1:]
     counted = {k: v - before.get(k, 0) for k, v in tokendance_counters(vllm_llm).items()}
-    reasons = ("plan", "bookkeeping", "setup", "pass", "save", "capture", "restore")
+    assert {s: counted.get(("vllm:tokendance_faults_planted", s), 0) > 0 for s in STAGES} == dict.fromkeys(STAGES, True)
+    reasons = ("plan", "bookkeeping", "setup", "pass", "save", "capture", "restore", "drop")
     assert {r: counted.get(("vllm:tokendance_mirrors_failed", r), 0) > 0 for r in reasons} == dict.fromkeys(reasons, True)
+
+
+def test_faults_are_refused_by_name_at_start():
+    from tokendance.vllm_plugin.settings import Settings
+
+    for faults, named in (({"plann": 0.1}, "plann"), ({"pass": 1.5}, "faults.pass"), ({"all": "0.1"}, "faults.all"),
+                          ([("pass", 0.1)], "faults must be an object")):
+        with pytest.raises(ValueError, match=named):
+            Settings.from_extra({"faults": faults})
+    assert Settings.from_extra({"faults": {"all": 0.05}}).faults == {"all": 0.05}
 
 
 def finish_store_work(llm) -> None:
@@ -324,7 +342,7 @@ def tokendance_counters(llm) -> dict:
     found = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:tokendance_"):  # a gauge's value is its latest
-            labels = [v for k, v in m.labels.items() if k in ("reason", "phase", "role", "formed")]
+            labels = [v for k, v in m.labels.items() if k in ("reason", "phase", "role", "formed", "stage")]
             key = (m.name, labels[0]) if labels else m.name
             found[key] = found.get(key, 0) + m.value
     return found

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 
 from starlette.responses import JSONResponse
 
@@ -137,6 +138,19 @@ async def read_body(receive, limit: int) -> bytes | ApiError | None:
     if size > limit:
         return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     return b"".join(chunks)
+
+
+def non_finite_field(data) -> str | None:
+    """The first place (a dotted path, `body` for the whole) where a parsed JSON body holds NaN or
+    an infinity, which Python's parser accepts and JSON has no number for; None if nowhere."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path or "body"
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((f"{path}.{key}" if path else str(key), item) for key, item in reversed(list(items)))
+    return None
 
 
 def tenant_of(authorizations: list[bytes], api_keys: tuple[str, ...]) -> str | None:

@@ -22,9 +22,13 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
     "failed_mirrors": ("mirrors_failed", "reason", "failures of the connector, by stage (plan: the scheduler side's "
                                                    "planning or claim, per request; setup: building the pass; pass; "
                                                    "restore: a read from the session store; capture and save: the "
-                                                   "store's, per mirror and per request; bookkeeping: the scheduler "
+                                                   "store's, per mirror and per request; drop: the store's forgetting "
+                                                   "of a step's entries, done again next step; bookkeeping: the scheduler "
                                                    "side's around them, at a step's end, a report or a finish): the "
                                                    "requests concerned are computed exactly by vLLM"),
+    "faults_planted": ("faults_planted", "stage", "faults planted on purpose (the connector's `faults` setting), by "
+                                                  "stage; each is also counted in mirrors_failed as a real failure of "
+                                                  "that stage would be"),
     "passes": ("passes", None, "passes run by the workers"),
     "held_steps": ("held_steps", None, "engine steps a member was held (its round forming, its masters computing, "
                                        "or the step's claim budget spent)"),

@@ -3,12 +3,13 @@ sides; plain Python (no vLLM import)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokendance.registry import (DEFAULT_RECOMPUTE_RATIO, DEFAULT_SELECTION, DEFAULT_TRANSPARENT_RULE, MAX_ANCHORS,
                                  SELECTIONS, TRANSPARENT_RULES, valid_anchors)
 from tokendance.reuse.selection import SCORES, make_selector
+from tokendance.vllm_plugin.faults import check_rates
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Settings:
     transparent_rounds: bool = False
     transparent_rule: str = DEFAULT_TRANSPARENT_RULE  # ... which requests it holds (registry.TRANSPARENT_RULES)
     gather_window_s: float = 0.05  # ... closing a gathering once no candidate came for this long
+    faults: dict = field(default_factory=dict)  # stage -> probability of a planted fault (`faults.py`; off)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -34,6 +36,7 @@ class Settings:
             raise ValueError(f"TokenDanceConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         settings = cls(**extra)
+        check_rates(settings.faults)
         for name in ("check_layer", "claim_tokens_per_step", "round_timeout_s", "hold_timeout_s", "store_gib",
                      "gather_window_s"):
             value, kind = getattr(settings, name), cls.__dataclass_fields__[name].type

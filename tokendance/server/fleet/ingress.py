@@ -22,7 +22,7 @@ from tokendance.round_core.protocol import RoundFieldError, check_round_request,
 from tokendance.server.fleet.routing import (MAX_OWNED_KEYS, GroupFill, PromptView, Route, TransparentHold,
                                              cache_namespace, fill_groups, group_routes, group_sizes, route_for,
                                              shared_placement)
-from tokendance.server.gate import OPEN_PATHS, read_body, tenant_of
+from tokendance.server.gate import OPEN_PATHS, non_finite_field, read_body, tenant_of
 from tokendance.server.metrics import split_sample, with_label
 from tokendance.server.protocol import ApiError
 
@@ -82,6 +82,10 @@ class Ingress:
             return await self._delete(request, body)
         route = route_for(method, path, body, tenant or "")
         data = _json_object(body) if route.kind != "any" else None
+        field = None if data is None else non_finite_field(data)
+        if field is not None:  # a replica's vLLM may never answer one (its parser takes NaN too)
+            return _error(ApiError(400, f"{field}: NaN and Infinity are not JSON numbers", param=field,
+                                   code="invalid_value"))
         if path == "/v1/rounds" and data is not None and len(group_sizes(len(route.agents), self.fleet.max_round_agents)) > 1:
             return await self._split_round(request, data, route)
         if path != "/v1/chat/completions" or data is None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.round_core.spans import Boundaries
+from tokendance.vllm_plugin.faults import Faults
 from tokendance.vllm_plugin.step_plan import MirrorLoad, StepOrders
 from tokendance.vllm_plugin.scheduler.round_book import RoundBook
 from tokendance.vllm_plugin.scheduler.members import RoundParamsError, RoundTag, Stage
@@ -49,6 +50,7 @@ class SchedulerSide:
         self.failed: list[tuple[str, list[int]]] = []  # (request id, claimed blocks) to report as load errors
         self.counters: dict[str, int] = {}
         self.logged: set[str] = set()  # failure reasons logged with their traceback
+        self.faults = Faults(settings.faults)
         self.store_index = None
         if settings.store_gib > 0:
             self.store_index = StoreIndex(int(settings.store_gib * 2**30), bytes_per_token)
@@ -123,6 +125,7 @@ class SchedulerSide:
                            request.request_id, tag.round_id)
             return
         try:
+            self.faults.fire("plan")
             self.book.add(request.request_id, tag, list(request.prompt_token_ids or []), salt=request.cache_salt)
         except Exception:
             self._failed(request.request_id)
@@ -131,6 +134,7 @@ class SchedulerSide:
         if self.book.find(request.request_id) is None:
             return 0, False
         try:
+            self.faults.fire("claim")
             count = self.book.claim(request.request_id, num_computed_tokens)
             if count:
                 member = self.book.find(request.request_id)
@@ -145,6 +149,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
+            self.faults.fire("commit")
             member = self.book.commit(request.request_id, num_external_tokens)
             if member is not None:
                 member.block_ids[:] = blocks.get_block_ids()[0]  # before any load reads a piece it provides
@@ -184,6 +189,7 @@ class SchedulerSide:
         self.pending.clear()
         orders.failed, self.failed = self.failed, []
         try:
+            self.faults.fire("step_end")
             for request_id in sent:  # the workers run these passes in this step, before vLLM's forward
                 self._unpin_session(request_id)
             self._watch_masters(scheduler_output)
@@ -200,8 +206,11 @@ class SchedulerSide:
             self._update(connector_output)
         except Exception:
             self._lost("bookkeeping", "reading the workers' report")
+            if self.store_index is not None:  # the saves it reports are over either way: none is waited for
+                self.store_index.abandon(connector_output.finished_sending or ())
 
     def _update(self, connector_output) -> None:
+        self.faults.fire("report")
         if connector_output.invalid_block_ids:
             self.book.failed_blocks(set(connector_output.invalid_block_ids))
         if self.store_index is not None:
@@ -244,6 +253,7 @@ class SchedulerSide:
             return False, None
 
     def _finish(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self.faults.fire("finish")
         member = self.book.find(request.request_id)
         self.pending.pop(request.request_id, None)
         self._unpin_session(request.request_id)
@@ -271,7 +281,7 @@ class SchedulerSide:
     def take_counters(self) -> dict[str, float]:
         """What the rounds and the store's index did since the last call."""
         counters = self.book.take_counters()
-        for key, value in self.counters.items():
+        for key, value in [*self.counters.items(), *self.faults.take_counts().items()]:
             counters[key] = counters.get(key, 0) + value
         self.counters = {}
         if self.store_index is not None:

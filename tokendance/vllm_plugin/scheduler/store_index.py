@@ -130,6 +130,18 @@ class StoreIndex:
             estimated = sum(s.nbytes for s in self.entries.values() if not s.saved and s.entry not in self.sending)
             self.total_bytes = total_bytes + estimated
 
+    def abandon(self, saved: Sequence[str]) -> None:
+        """A report of these saves could not be read: they are over, and none is read back (their
+        entries are retired, as a failed save's)."""
+        for entry in saved:
+            if entry in self.sending:
+                self.sending.discard(entry)
+                self._count("store_saving", -1)
+                stored = self.entries.get(entry)
+                if stored is not None:
+                    self.latest = OrderedDict((k, s) for k, s in self.latest.items() if s is not stored)
+                    self._retire(stored)
+
     def _count(self, key: str, value: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + value
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tokendance.vllm_plugin import model_handoff as handoff
+from tokendance.vllm_plugin.faults import Faults
 from tokendance.vllm_plugin.step_plan import MirrorLoad, StepOrders
 from tokendance.vllm_plugin.worker.store import RestoreError, SessionStore
 from tokendance.vllm_plugin.scheduler.store_index import SaveOrder
@@ -44,7 +45,9 @@ class WorkerSide:
         self.store: SessionStore | None = None
         self.saved: dict[str, int] = {}  # entries saved since vLLM last asked -> their own bytes
         self.store_changed = False
+        self.undropped: tuple[list[str], list[int]] = ([], [])  # drops and closes a failure left for the next step
         self.counters: Counter = Counter()
+        self.faults = Faults(settings.faults)  # the same draws on every rank
         self.reasons_logged: set[str] = set()  # failures logged with their traceback once
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -66,7 +69,7 @@ class WorkerSide:
 
     def _failed(self, reason: str, num_mirrors: int, loads: list[MirrorLoad] = ()) -> None:
         """Every failure on this side ends here (called in its `except`): counted by reason (the
-        stage: `setup`, `pass`, `restore`, `capture`, `save`), logged (with its traceback the first
+        stage: `setup`, `pass`, `restore`, `capture`, `save`, `drop`), logged (with its traceback the first
         time the reason occurs), and the claimed blocks of `loads` reported as load errors, which
         vLLM computes again, exactly."""
         first = reason not in self.reasons_logged
@@ -81,7 +84,7 @@ class WorkerSide:
 
     def run(self, orders: StepOrders) -> None:
         """The store's work, then this step's mirrors, in one pass."""
-        if orders.saves or orders.drops or orders.closes:
+        if orders.saves or orders.drops or orders.closes or self.undropped != ([], []):
             self._store_work(orders.saves, orders.drops, orders.closes)
         for _, block_ids in orders.failed:  # counted by the scheduler side
             self.failed_block_ids.update(block_ids)
@@ -89,15 +92,20 @@ class WorkerSide:
             return
         loads = orders.loads
         try:
+            self.faults.fire("setup")
             mirror_pass = self._pass()
         except Exception:
             self._failed("setup", len(loads), loads)
             return
         try:
+            self.faults.fire("pass")
+            if any(span.stored is not None for load in loads for span in load.spans):
+                self.faults.fire("store_load")
             with torch.inference_mode():
                 report = mirror_pass.run(loads)
         except Exception as exc:
-            self._failed("restore" if isinstance(exc, RestoreError) else "pass", len(loads), loads)
+            restore = isinstance(exc, RestoreError) or getattr(exc, "stage", None) == "store_load"
+            self._failed("restore" if restore else "pass", len(loads), loads)
             return
         self._count({"mirrors": len(loads), "passes": 1, **report})
         if any(load.masters for load in loads):  # the sources they read are all written now
@@ -109,6 +117,7 @@ class WorkerSide:
         agent saved holding a piece is its master)."""
         self.store_changed = True
         try:
+            self.faults.fire("capture")
             store = self._store()
             before = store.nbytes
             layouts = self._pass().layouts
@@ -131,6 +140,7 @@ class WorkerSide:
         agents = 0 if self.store is None else len(self.store.sessions)
         for order in saves:
             try:
+                self.faults.fire("store_save")
                 store, layouts = self._store(), self._pass().layouts
                 slots = self._pass()._slots(order.block_ids, 0, order.length)
                 store.save(order.entry, lambda index: layouts[index].read(slots), order.length, order.pieces)
@@ -142,10 +152,17 @@ class WorkerSide:
                 self.saved[order.entry] = -1
         if self.store is None:  # none could be made: nothing to drop or close
             return
-        for entry in drops:
-            self.store.drop(entry)
-        for serial in closes:
-            self.store.close_round(serial)
+        drops, closes = self.undropped[0] + list(drops), self.undropped[1] + list(closes)
+        try:
+            self.faults.fire("store_drop")
+            for entry in drops:
+                self.store.drop(entry)
+            for serial in closes:
+                self.store.close_round(serial)
+            self.undropped = ([], [])
+        except Exception:  # done again at the next step's store work (a second drop frees nothing)
+            self.undropped = (drops, closes)
+            self._failed("drop", 1)
         self._count({"store_bytes": self.store.nbytes - before, "store_agents": len(self.store.sessions) - agents})
 
     def _store(self) -> SessionStore:
@@ -172,5 +189,6 @@ class WorkerSide:
         return failed
 
     def take_counters(self) -> dict[str, float]:
+        self._count(self.faults.take_counts())
         counters, self.counters = self.counters, Counter()
         return dict(counters)
