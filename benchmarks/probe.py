@@ -8,6 +8,7 @@ server still answers a plain chat within 2 s, and whether what it holds is back 
     python benchmarks/probe.py --servers vllm+tokendance vllm # vllm serve with and without the plugin
     python benchmarks/probe.py --target http://127.0.0.1:8000 # a server already running
     python benchmarks/probe.py --servers vllm-fleet           # two vLLM + plugin replicas on Ray Serve
+    python benchmarks/probe.py --servers vllm+tokendance --faults 0.05  # every stage of the plugin failing at 5%
 
 Servers are started one after the other (never two at once) with 1 GiB of KV; vLLM's need
 .venv-vllm (`make vllm`). `vllm-fleet` is `tokendance serve --engine vllm --replicas 2` (one core,
@@ -131,7 +132,18 @@ class Target:
         m = self.metrics()
         if self.kind == "tokendance":
             return {"kv_blocks_used": m["tokendance_kv_blocks_used"], "agent_sessions": m["tokendance_agent_sessions"]}
-        return {"kv_usage": m["vllm:kv_cache_usage_perc"], "store_agents": m.get("vllm:tokendance_store_agents", 0.0)}
+        return {"kv_usage": m["vllm:kv_cache_usage_perc"], "store_agents": m.get("vllm:tokendance_store_agents", 0.0),
+                "store_saving": m.get("vllm:tokendance_store_saving", 0.0)}
+
+    def planted(self) -> dict[str, float]:
+        """The plugin's planted faults so far, by stage (`--faults`)."""
+        status, body = self.request("GET", "/metrics", timeout=30)
+        found: dict[str, float] = collections.defaultdict(float)
+        for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+            sample = re.match(r'^vllm:tokendance_faults_planted_total\{.*stage="(\w+)".*\} (\S+)$', line)
+            if sample:
+                found[sample.group(1)] += float(sample.group(2))
+        return dict(found)
 
 
 def chat(target: Target, text: str, **fields) -> dict:
@@ -435,7 +447,7 @@ def check(target: Target, wave: dict, idle: dict) -> dict:
             target.request("DELETE", f"/v1/agents/{agent_id}" + (f"?cache_salt={salt}" if salt else ""), timeout=30)
     wave.pop("sessions", None)
     held = target.held()
-    back = {k: v for k, v in held.items() if k in ("kv_blocks_used", "kv_usage", "agent_sessions")}
+    back = {k: v for k, v in held.items() if k in ("kv_blocks_used", "kv_usage", "agent_sessions", "store_saving")}
     return {"settled_s": round(settled, 2), "health": [status, round(health_s, 2)], "held": held,
             "idle": all(v - idle.get(k, 0.0) < 1e-9 for k, v in back.items())}  # no more than at the start
 
@@ -476,6 +488,7 @@ def probe(url: str, args) -> dict:
     target.post("/v1/chat/completions", chat(target, "warm up"))
     idle = target.held()
     report = {"server": target.kind, "model": target.model, "idle": idle, "waves": {}}
+    planted = target.planted() if args.faults else {}
     canary = Canary(target)
     canary.start()
     time.sleep(3)  # its latency on an idle server first
@@ -491,6 +504,10 @@ def probe(url: str, args) -> dict:
             break
         wave["wall_s"] = round(time.monotonic() - started, 1)
         wave["canary"] = canary.summary(name)
+        if args.faults:  # the faults planted during the wave, by stage
+            now = target.planted()
+            wave["planted"], planted = {k: now[k] - planted.get(k, 0) for k in now}, now
+
         report["waves"][name] = wave
         print_wave(name, wave)
     canary.stopped.set()
@@ -537,6 +554,8 @@ def print_wave(name: str, wave: dict) -> None:
         print(f"  {wave['requests']} requests from {wave['clients']} clients in {wave['seconds']} s")
         for kind, statuses in wave["by_kind"].items():
             print(f"    {kind:<16}{' '.join(f'{s}:{n}' for s, n in sorted(statuses.items()))}")
+    if "planted" in wave:
+        print(f"  faults planted: {sum(wave['planted'].values()):.0f} ({', '.join(f'{k} {v:.0f}' for k, v in sorted(wave['planted'].items()))})")
     canary = wave["canary"]
     print(f"  the other tenant's chat meanwhile: {dict(canary['statuses'])}, p50 {canary['p50_s']} s, max {canary['max_s']} s")
     problems = failures(wave)
@@ -569,6 +588,8 @@ def main() -> int:
     parser.add_argument("--store-gib", type=float, default=0.5, help="the plugin's session store")
     parser.add_argument("--dtype", default=None, help="bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument of the vLLM servers")
+    parser.add_argument("--faults", type=float, default=0.0,
+                        help="vllm+tokendance: plant a fault at every stage of the plugin with this probability")
     args = parser.parse_args()
     from tokendance.model.platform import probe_cpu
     from tokendance.registry import DEFAULT_RECOMPUTE_RATIO

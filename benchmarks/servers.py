@@ -53,6 +53,8 @@ def start(name: str, port: int, args, log) -> subprocess.Popen:
                   "kv_connector_extra_config": {"recompute_ratio": args.ratio,
                                                 "store_gib": getattr(args, "store_gib", 0),
                                                 "transparent_rounds": name == "vllm+transparent"}}
+        if getattr(args, "faults", 0):  # planted faults at every stage (vllm_plugin/faults.py)
+            config["kv_connector_extra_config"]["faults"] = {"all": args.faults}
         command += ["--kv-transfer-config", json.dumps(config)]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
