@@ -109,14 +109,18 @@ class Target:
                 time.sleep(after)
         return "left"
 
+    def samples(self) -> list[tuple[str, str, float]]:
+        """/metrics as (name, labels, value) samples."""
+        status, body = self.request("GET", "/metrics", timeout=30)
+        lines = body.decode(errors="replace").splitlines() if status == 200 else []
+        return [(m.group(1), m.group(2) or "", float(m.group(3)))
+                for m in map(re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$").match, lines) if m]
+
     def metrics(self) -> dict[str, float]:
         """{name: value} summed over labels."""
-        status, body = self.request("GET", "/metrics", timeout=30)
         found: dict[str, float] = collections.defaultdict(float)
-        for line in body.decode(errors="replace").splitlines() if status == 200 else []:
-            sample = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
-            if sample:
-                found[sample.group(1)] += float(sample.group(2))
+        for name, _, value in self.samples():
+            found[name] += value
         return found
 
     def busy(self) -> float:
@@ -137,12 +141,11 @@ class Target:
 
     def planted(self) -> dict[str, float]:
         """The plugin's planted faults so far, by stage (`--faults`)."""
-        status, body = self.request("GET", "/metrics", timeout=30)
         found: dict[str, float] = collections.defaultdict(float)
-        for line in body.decode(errors="replace").splitlines() if status == 200 else []:
-            sample = re.match(r'^vllm:tokendance_faults_planted_total\{.*stage="(\w+)".*\} (\S+)$', line)
-            if sample:
-                found[sample.group(1)] += float(sample.group(2))
+        for name, labels, value in self.samples():
+            stage = re.search(r'stage="(\w+)"', labels)
+            if name == "vllm:tokendance_faults_planted_total" and stage:
+                found[stage.group(1)] += value
         return dict(found)
 
 
