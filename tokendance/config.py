@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tokendance import registry
 from tokendance.errors import InvalidRequestError
 from tokendance.registry import MAX_ANCHORS, valid_anchors
+from tokendance.round_core import fidelity_control
 
 if TYPE_CHECKING:  # a type only: the configuration imports nothing of the model
     from tokendance.model.rope import RopeScaling
@@ -16,6 +17,7 @@ if TYPE_CHECKING:  # a type only: the configuration imports nothing of the model
 REUSE_MODES = tuple(registry.REUSE_POLICIES)  # how rounds reuse shared spans
 
 
+AUTO = "auto"  # fidelity: the setting chosen per round by a probe (round_core/fidelity_control.py)
 BATCH_INVARIANT_REUSE = ("full", "prefix")  # the reuse modes whose rounds batch_invariant covers
 BATCH_INVARIANT_CHUNK = 256  # batch_invariant: prompt chunks end at multiples of this (or at the prompt's end)
 
@@ -69,8 +71,12 @@ class EngineConfig:
     recompute_ratio: float = registry.DEFAULT_RECOMPUTE_RATIO
     selection: str = registry.DEFAULT_SELECTION  # a name of registry.SELECTIONS
     # A named preset of the reuse knobs (registry.FIDELITY: "exact", "floor", "balanced", "fast");
-    # it sets reuse, recompute_ratio and anchors, and refuses other values for them.
+    # it sets reuse, recompute_ratio and anchors, and refuses other values for them. "auto": each
+    # simulation's rounds move along `fidelity_ladder` (presets, cheapest first, ending at exact) by
+    # a probe per round kept within `fidelity_target` (round_core/fidelity_control.py).
     fidelity: str | None = None
+    fidelity_target: str = fidelity_control.DEFAULT_TARGET
+    fidelity_ladder: tuple[str, ...] = fidelity_control.DEFAULT_LADDER
     check_layer: int = 1
     # Greedy outputs independent of what else runs in the batch (full and prefix reuse): linear
     # layers in fixed row tiles, prompts computed in chunks that end at fixed positions, every
@@ -84,6 +90,12 @@ class EngineConfig:
     masters: str = registry.DEFAULT_MASTERS
 
     def _apply_fidelity(self) -> None:
+        if self.fidelity == AUTO:
+            fidelity_control.check_target(self.fidelity_target)
+            fidelity_control.check_ladder(self.fidelity_ladder)
+            object.__setattr__(self, "fidelity_ladder", tuple(self.fidelity_ladder))
+            object.__setattr__(self, "reuse", "tokendance")  # sessions kept, as every sharing rung needs
+            return
         preset = registry.FIDELITY[registry.check("fidelity", self.fidelity, registry.FIDELITY)]
         defaults = {"reuse": registry.DEFAULT_REUSE, "recompute_ratio": registry.DEFAULT_RECOMPUTE_RATIO,
                     "selection": registry.DEFAULT_SELECTION, "anchors": 1}
@@ -105,6 +117,8 @@ class EngineConfig:
     @property
     def fidelity_name(self) -> str:
         """The preset these reuse settings are ("custom" if none)."""
+        if self.fidelity == AUTO:
+            return AUTO
         for name, preset in registry.FIDELITY.items():
             settings = {"selection": registry.DEFAULT_SELECTION, "anchors": 1, "masters": registry.DEFAULT_MASTERS,
                         **preset.settings}

@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tokendance import registry
-from tokendance.config import EngineConfig
+from tokendance.config import AUTO, EngineConfig
 from tokendance.errors import InvalidRequestError
 from tokendance.bench.quality import convergence, degeneration
 from tokendance.bench.simulation import Simulation, kv_budget, warm_up
@@ -105,7 +105,7 @@ def quality_settings(names: Sequence[str]) -> dict[str, dict]:
             if not label or any(len(p) != 2 for p in pairs):
                 raise InvalidRequestError(f"setting {name!r}: write LABEL=FIELD:VALUE,FIELD:VALUE", "settings")
             found[label] = {k: _value(v) for k, v in pairs}
-        elif name in registry.FIDELITY:
+        elif name in registry.FIDELITY or name == AUTO:
             found[name] = {"fidelity": name}
         else:
             found[name] = {"reuse": registry.check("setting", name, registry.REUSE_POLICIES)}

@@ -7,6 +7,7 @@ complete, its waves, aborts and statistics. Submitted and collected by `RoundRun
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from collections.abc import Generator
@@ -16,6 +17,7 @@ from tokendance.batch import ScheduledRequest
 from tokendance.convergence import repeated_replies
 from tokendance.engine.jobs import KVGroup
 from tokendance.engine.request import Request
+from tokendance.engine.round_probe import AutoRound
 from tokendance.engine.round_stats import RoundStats, fill_kv, fill_reads, fill_times, fill_work, merge_waves
 from tokendance.errors import CapacityError, TokenDanceError
 from tokendance.kv.manager import KVCacheManager, SessionKey
@@ -25,6 +27,9 @@ from tokendance.reuse.policy import ReusePolicy
 from tokendance.reuse.round_kv import AgentPrefill, PrefillReport, Ready, Work
 from tokendance.round_core.spans import Session
 from tokendance.reuse.segments import TokenizedTurn
+
+
+log = logging.getLogger(__name__)
 
 
 class RoundTooLarge(CapacityError):
@@ -83,10 +88,12 @@ class RoundJob:
     (masters, recalled segments, scratch tables), and each agent's KV is its session or freed."""
 
     def __init__(self, context: RoundContext, index: int, requests: list[Request], tokenized: list[TokenizedTurn],
-                 turn_order: list[int]):
+                 turn_order: list[int], auto: AutoRound | None = None):
         self.context = context
         self.turn_order = turn_order  # requests[k] is the turn submitted at turn_order[k]
         self.policy: ReusePolicy = context.policy
+        self.auto = auto  # --fidelity auto: the controller, and the probe (its exact member is one of `requests`)
+        self.probe = None if auto is None else auto.probe
         self.kv = context.kv
         self.index = index
         self.requests = requests
@@ -120,7 +127,8 @@ class RoundJob:
 
     @property
     def request_ids(self) -> list[str]:
-        return [r.request_id for r in self.requests]
+        """Its requests in the engine or to come: the agents' and the probe's."""
+        return [r.request_id for r in self.requests] + ([] if self.probe is None else self.probe.request_ids)
 
     def request_id_of(self, agent_id: str) -> str | None:
         """The request id of the agent's turn in this round, None if it has none."""
@@ -177,6 +185,8 @@ class RoundJob:
                 self._record(output)
                 if self.kv.has(output.request_id):
                     self.kv.keep(output.request_id)
+            if output.finished and self.probe is not None:
+                self._ready += self.probe.observe(output, self.outputs.get(self.probe.exact.request_id), self.kv)
         self._end_wave_if_done()
 
     def fail(self, error: BaseException) -> None:
@@ -187,6 +197,8 @@ class RoundJob:
             if request.request_id not in self._released or request.request_id in self.outputs:
                 self.kv.free(request.request_id)
         self.policy.end_round()
+        if self.probe is not None:
+            self.probe.skip("the round failed", self.kv)
         self._drop_ending_sessions()
         self.error = error
 
@@ -250,10 +262,16 @@ class RoundJob:
         self.started = self.started or wave.started
         wave.reads_before = dataclasses.replace(self.context.model.decode_reads)
         wave.account_before = self.context.account.snapshot()
-        agents = []
+        agents, exact = [], []
         try:
             for i in wave.indices:
                 request, turn = self.requests[i], self.tokenized[i]
+                if self._is_exact(request):  # the probed member: computed by the scheduler, from the prefix cache
+                    exact.append(AgentPrefill(request.request_id, turn, 0))
+                    if not self.probe.skipped:
+                        agents.append(self.policy.open_table(self.probe.shadow.request_id, turn))
+                        agents[-1].max_output_tokens = self.probe.shadow.max_tokens
+                    continue
                 agent = self.policy.open_table(request.request_id, turn) if self.policy.prepares_tables else \
                     AgentPrefill(request.request_id, turn, 0)
                 agent.max_output_tokens = request.max_tokens
@@ -264,23 +282,36 @@ class RoundJob:
             self._agents = {}
             self._too_large(exc)
             return True
-        self._agents = {a.table_id: a for a in agents}
+        self._agents = {a.table_id: a for a in agents + exact}
+        self._release(exact)
         self._prefill = self.policy.prefill(agents)
         return True
 
+    def _is_exact(self, request: Request) -> bool:
+        return self.probe is not None and request is self.probe.exact
+
     def _release(self, agents: list[AgentPrefill]) -> None:
         for agent in agents:
-            request = self.requests[self._by_agent[agent.turn.agent_id]]
             del self._agents[agent.table_id]
+            if self.probe is not None and agent.table_id == self.probe.shadow.request_id:
+                self._prepared(agent, self.probe.shadow)  # (not a member: its output is the probe's)
+                continue
+            request = self.requests[self._by_agent[agent.turn.agent_id]]
             if request.agent_id in self.abandoned:
                 self.kv.free(request.request_id)
                 self._record(self._unstarted_output(request, "abort"))
                 continue
-            if self.policy.prepares_tables:
-                self.policy.finish(agent)
-                self.kv.mark_prepared(request.request_id, agent.num_prepared, agent.num_cached)
+            if not self._is_exact(request):
+                self._prepared(agent, request)
+            else:
+                self._ready.append(request)
             self._released.add(request.request_id)
-            self._ready.append(request)
+
+    def _prepared(self, agent: AgentPrefill, request: Request) -> None:
+        if self.policy.prepares_tables:
+            self.policy.finish(agent)
+            self.kv.mark_prepared(request.request_id, agent.num_prepared, agent.num_cached)
+        self._ready.append(request)
 
     def _prefill_ended(self, report: PrefillReport) -> None:
         self._wave.report = report or PrefillReport()
@@ -292,7 +323,10 @@ class RoundJob:
         """The pool cannot hold the wave's prepared KV: its agents not released yet are prepared
         later, in a wave of their own (halved if none of the wave was released)."""
         wave = self._wave
+        shadow_waits = self.probe is not None and self.probe.shadow.request_id in self._agents
         self._close_prefill()
+        if shadow_waits:
+            self.probe.skip("the round ran in waves", self.kv)
         waiting = [i for i in wave.indices if self.requests[i].request_id not in self._released]
         for i in waiting:
             self.kv.free(self.requests[i].request_id)
@@ -343,7 +377,8 @@ class RoundJob:
         for wave in [w for w in self._done_waves if w.stats is None]:
             if all(self.requests[i].request_id in self.outputs for i in wave.indices):
                 self._finish_wave(wave)
-        if self._wave is None and not self._waves and len(self.outputs) == len(self.requests) and not self.done:
+        if self._wave is None and not self._waves and len(self.outputs) == len(self.requests) and not self.done \
+                and (self.probe is None or self.probe.done):
             self._finish_round()
 
     def _finish_wave(self, wave: _Wave) -> None:
@@ -385,10 +420,30 @@ class RoundJob:
                                  for w in waves], started)
         stats.num_agents = len(outputs)
         stats.repeated_replies = repeated_replies([o.text for o in outputs])
+        if self.auto is not None:
+            step = self._observe_probe(outputs)
+            stats.computed_tokens += step.probe_tokens
+            stats.fidelity = step.as_dict()
         stats.first_token_seconds = min((o.first_token_time for o in outputs if o.first_token_time),
                                         default=started) - started
         self._drop_ending_sessions()
         self.result = RoundResult(outputs, stats)
+
+    def _observe_probe(self, outputs: list[RequestOutput]):
+        """The controller learns the round's reading; a move is logged once, when it is made."""
+        probe, reading, skipped = self.probe, None, None
+        if probe is not None:
+            exact = self.outputs[probe.exact.request_id]
+            reading = probe.reading(exact, [o for o in outputs if o is not exact])
+            skipped = probe.skipped
+        step = self.auto.controller.observe(self.auto.setting, reading, skipped)
+        if probe is not None:  # what the scheduler computed beyond the one last token stats count for the member
+            scored = [probe.outputs[r.request_id] for r in probe.scoring if r.request_id in probe.outputs]
+            step.probe_tokens = sum(o.num_prompt_tokens - (o.num_cached_tokens or 0) for o in [exact, *scored]) - 1
+        if step.move is not None:
+            log.info("fidelity auto: %s (round %d%s)", step.move, self.index,
+                     f", probe of {reading.agent_id}: KL {reading.kl:.3f}, pull {reading.pull:+.2f}" if step.breach else "")
+        return step
 
     def _unstarted_output(self, request: Request, reason: str) -> RequestOutput:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, "", [], reason,

@@ -76,6 +76,9 @@ class RoundStats:
     # members whose reply says the same words as another member's (a speaker's leading label
     # dropped): agents converging on one text, what approximate reuse can add (tokendance.convergence)
     repeated_replies: int = 0
+    # --fidelity auto: the setting the round ran at, its probe's reading (agent, KL, agreement,
+    # pull), whether it breached the target and the move it made (round_core/fidelity_control.Step)
+    fidelity: dict | None = None
     agents: list[AgentKVStats] = field(default_factory=list)
 
 

@@ -22,16 +22,21 @@ needs room.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from tokendance.config import AUTO, EngineConfig
 from tokendance.engine.llm_engine import LLMEngine
+from tokendance.engine.request import Request
+from tokendance.engine.round_probe import SHADOW, AutoRound, RoundProbe
 from tokendance.engine.round_job import RoundAborted, RoundContext, RoundJob, RoundResult, RoundTooLarge
 from tokendance.errors import InvalidRequestError
 from tokendance.kv.manager import SessionKey
 from tokendance.outputs import RequestOutput
 from tokendance.reuse.policy import ReusePolicy, make_policy
 from tokendance.reuse.round_kv import RoundKV
+from tokendance.round_core.fidelity_control import PULL_TOKENS, Controller, check_target
 from tokendance.round_core.spans import Session
 from tokendance.reuse.segments import AgentTurn, TokenizedTurn, tokenize_round
 from tokendance.reuse.selection import make_selector
@@ -44,9 +49,12 @@ class RoundRunner:
     """Submits rounds to an engine with one reuse policy, and drains them (`run`). Holds no KV:
     sessions live in the engine's KV manager."""
 
-    def __init__(self, engine: LLMEngine, policy: ReusePolicy):
+    def __init__(self, engine: LLMEngine, policy: ReusePolicy, ladder: dict[str, ReusePolicy] | None = None):
         self.engine = engine
         self.policy = policy
+        # --fidelity auto: a policy per rung of the ladder, and a controller per simulation (namespace)
+        self.ladder = ladder
+        self.controllers: dict[str, Controller] = {}
         self.round_index = 0
         c = engine.model_config
         row_bytes = engine.bytes_per_block // engine.config.block_size // c.num_layers // c.num_kv_heads
@@ -57,8 +65,19 @@ class RoundRunner:
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> RoundRunner:
         c = engine.config
-        round_kv = RoundKV(engine.kv, engine.runner, make_selector(c.selection, c.recompute_ratio), c.check_layer)
-        return cls(engine, make_policy(c.reuse, round_kv, c.anchors, c.masters))
+        if c.fidelity != AUTO:
+            return cls(engine, _policy(engine, c))
+        ladder = {name: _policy(engine, EngineConfig(fidelity=name, check_layer=c.check_layer)) for name in c.fidelity_ladder}
+        return cls(engine, ladder[c.fidelity_ladder[0]], ladder)
+
+    def controller(self, namespace: str = "") -> Controller | None:
+        """The `--fidelity auto` controller of a simulation (None for other settings)."""
+        if self.ladder is None:
+            return None
+        if namespace not in self.controllers:
+            c = self.engine.config
+            self.controllers[namespace] = Controller(c.fidelity_ladder, check_target(c.fidelity_target))
+        return self.controllers[namespace]
 
     # ------------------------------------------------------------ sessions
 
@@ -123,7 +142,10 @@ class RoundRunner:
                                 group=f"round{index}", score_from=tokenized[i].num_prepared)
             for i in order
         ]
-        job = RoundJob(self.context, index, requests, [tokenized[i] for i in order], order)
+        turns_in_order = [tokenized[i] for i in order]
+        auto = self._auto_round(requests, turns_in_order)
+        context = self.context if auto is None else dataclasses.replace(self.context, policy=self.ladder[auto.setting])
+        job = RoundJob(context, index, requests, turns_in_order, order, auto)
         self._jobs.append(job)
         engine.add_job(job)
         return job
@@ -148,6 +170,24 @@ class RoundRunner:
         for position, index in enumerate(job.turn_order):
             outputs[index] = job.result.outputs[position]
         return RoundResult(outputs, job.result.stats)
+
+    def _auto_round(self, requests: list[Request], tokenized: list[TokenizedTurn]) -> AutoRound | None:
+        """The round's setting under `--fidelity auto`, and its probe: the member whose turn it is
+        computed exactly, and its shadow, decoded greedily from the reused KV."""
+        controller = self.controller(tokenized[0].namespace)
+        if controller is None:
+            return None
+        auto = AutoRound(controller, controller.setting)
+        probed = controller.probe_agent([t.agent_id for t in tokenized])
+        if probed is not None:
+            k = next(k for k, t in enumerate(tokenized) if t.agent_id == probed)
+            exact, turn = requests[k], tokenized[k]
+            shadow = self.engine.make_request(
+                turn.token_ids, dataclasses.replace(SHADOW, max_tokens=min(PULL_TOKENS, exact.max_tokens)),
+                request_id=f"{exact.request_id}#probe", namespace=turn.namespace, retain_kv=True, group=exact.group,
+                score_from=turn.num_prepared)
+            auto.probe = RoundProbe(auto.setting, turn, exact, shadow)
+        return auto
 
     def _job_of(self, agent_id: str) -> RoundJob | None:
         self._jobs = [j for j in self._jobs if not j.done]
@@ -174,3 +214,8 @@ class RoundRunner:
         for turn, p in zip(tokenized, params):
             turn.score_tail = p.prompt_logprobs is not None
         return tokenized, list(params)
+
+
+def _policy(engine: LLMEngine, c: EngineConfig) -> ReusePolicy:
+    round_kv = RoundKV(engine.kv, engine.runner, make_selector(c.selection, c.recompute_ratio), c.check_layer)
+    return make_policy(c.reuse, round_kv, c.anchors, c.masters)

@@ -9,6 +9,8 @@ import sys
 
 from tokendance import registry
 from tokendance.cli_types import parse_bytes
+from tokendance.config import AUTO
+from tokendance.round_core import fidelity_control
 from tokendance.errors import ModelLoadError
 from tokendance.tool_formats import TOOL_CALL_FORMATS
 
@@ -38,8 +40,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "its reused base the mean of them (1: one master)")
     add("--masters", default=registry.DEFAULT_MASTERS, choices=list(registry.MASTERS),
         help="where shared spans get their base KV: " + registry.describe(registry.MASTERS))
-    add("--fidelity", default=None, choices=list(registry.FIDELITY),
-        help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + ")")
+    add("--fidelity", default=None, choices=[*registry.FIDELITY, AUTO],
+        help="a named preset of --reuse and --recompute-ratio (" + registry.describe(registry.FIDELITY) + "), or "
+             "auto: each simulation moves along --fidelity-ladder by a probe per round kept within --fidelity-target")
+    add("--fidelity-target", default=fidelity_control.DEFAULT_TARGET,
+        help="--fidelity auto: the bound a round's probe must keep (" + ", ".join(
+            f"{k}: KL {t.kl:g}, pull {t.pull:g}" for k, t in fidelity_control.TARGETS.items()) + ")")
+    add("--fidelity-ladder", nargs="+", default=list(fidelity_control.DEFAULT_LADDER),
+        help="--fidelity auto: the settings it moves along, cheapest first, ending at exact")
     add("--batch-invariant", action="store_true",
         help="greedy outputs independent of what else runs in the batch (full and prefix reuse; costs speed)")
     add("--gather-window-ms", type=float, default=None,
@@ -104,7 +112,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--replicas must be >= 1")
     if args.max_round_agents is not None and args.max_round_agents < 1:
         raise InvalidRequestError("--max-round-agents must be >= 1")
+    if args.fidelity == AUTO and args.engine != "tokendance":
+        raise InvalidRequestError("--fidelity auto runs in TokenDance's engine (--engine tokendance) for now", "fidelity")
     engine_args = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "fidelity": args.fidelity,
+                   "fidelity_target": args.fidelity_target, "fidelity_ladder": tuple(args.fidelity_ladder),
                    "anchors": args.anchors, "masters": args.masters,
                    "max_model_len": args.max_model_len, "num_threads": args.num_threads}
     llm_args = {"model": args.model, "dtype": args.dtype, "reuse": args.reuse, "kv_cache_bytes": args.kv_cache_bytes,
@@ -155,6 +166,8 @@ def gather_window_ms(args: argparse.Namespace) -> float:
     round of exact reuse gains nothing from waiting for its members)."""
     if args.gather_window_ms is not None:
         return args.gather_window_ms
+    if args.fidelity == AUTO:
+        return DEFAULT_GATHER_MS
     reuse = registry.FIDELITY[args.fidelity].settings.get("reuse", args.reuse) if args.fidelity else args.reuse
     return DEFAULT_GATHER_MS if reuse in registry.SHARING else 0.0
 

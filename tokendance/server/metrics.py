@@ -11,6 +11,8 @@ import threading
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 AGENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+KL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.4, 1)
+PULL_BUCKETS = (-0.5, -0.2, -0.1, 0, 0.1, 0.2, 0.3, 0.5, 0.75, 1)
 
 # name -> (type, help, buckets for histograms)
 DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
@@ -51,6 +53,16 @@ DEFINITIONS: dict[str, tuple[str, str, tuple | None]] = {
     "tokendance_round_compression": ("gauge", "logical / physical KV tokens of the last round", None),
     "tokendance_round_shared_compression": ("gauge", "shared-span tokens / distinct slots holding them, last round", None),
     "tokendance_round_kv_bytes_per_agent": ("gauge", "KV bytes per agent of the last round", None),
+    "tokendance_probe_kl": ("histogram", "--fidelity auto: a round's probe, mean KL(exact || reused) per token of the "
+                            "exact reply's first tokens, nats", KL_BUCKETS),
+    "tokendance_probe_pull": ("histogram", "--fidelity auto: a round's probe, how much more its reused reply is like "
+                              "another member's than its exact reply is", PULL_BUCKETS),
+    "tokendance_probe_breaches_total": ("counter", "--fidelity auto: probes over the fidelity target", None),
+    "tokendance_probes_skipped_total": ("counter", "--fidelity auto: sharing rounds whose probe gave no reading", None),
+    "tokendance_probe_tokens_total": ("counter", "--fidelity auto: prompt tokens the probes computed beyond the rounds'", None),
+    "tokendance_fidelity_level": ("gauge", "--fidelity auto: the rung of the setting the last round ran at (0: the "
+                                  "ladder's cheapest)", None),
+    "tokendance_fidelity_setting": ("gauge", "--fidelity auto: 1 for the setting the last round ran at, else 0", None),
 }
 
 Labels = tuple[tuple[str, str], ...]
@@ -127,6 +139,24 @@ class Metrics:
         self.set("tokendance_round_compression", stats.compression)
         self.set("tokendance_round_shared_compression", stats.shared_compression)
         self.set("tokendance_round_kv_bytes_per_agent", stats.kv_bytes_per_agent)
+        if stats.fidelity is not None:
+            self._record_probe(stats.fidelity)
+
+    def _record_probe(self, step: dict) -> None:
+        """A `--fidelity auto` round's step (round_core/fidelity_control.Step, as a dict)."""
+        self.set("tokendance_fidelity_level", step["level"])
+        with self._lock:
+            series = self._values["tokendance_fidelity_setting"]
+            for key in series:
+                series[key] = 0
+            series[(("setting", step["setting"]),)] = 1
+        self.inc("tokendance_probe_tokens_total", step["probe_tokens"])
+        self.inc("tokendance_probe_breaches_total", int(step["breach"]))
+        if step["skipped"] is not None:
+            self.inc("tokendance_probes_skipped_total")
+        if step["reading"] is not None:
+            self.observe("tokendance_probe_kl", step["reading"]["kl"])
+            self.observe("tokendance_probe_pull", step["reading"]["pull"])
 
     def record_engine(self, stats, num_gathering: int) -> None:
         """The engine's gauges, from an `EngineStats` snapshot (taken on the engine thread)."""
