@@ -61,3 +61,20 @@ def test_a_planted_fault_is_caught_within_one_round_and_moves_toward_exact(make_
     steps = [r.stats.fidelity for r in results]
     assert steps[1]["breach"] and steps[1]["move"] == "fast -> exact"  # round 2: the first with others' replies
     assert steps[2]["setting"] == "exact" and steps[2]["reading"] is None and results[2].stats.mode == "prefix"
+
+
+def test_a_probed_member_that_leaves_ends_its_probe_and_the_round(make_llm):
+    workload = make_workload("generative-agents", 4, seed=1)
+    llm = make_llm(fidelity="auto")
+    for steps_before_leaving in (0, 3):  # before its wave starts, and while it runs
+        job = llm.rounds.submit(workload.turns(0, []), PARAMS)
+        probed = job.probe.exact.agent_id
+        for _ in range(steps_before_leaving):
+            llm.engine.step()
+        llm.rounds.abort(probed, job)
+        while not job.done:
+            llm.engine.step()
+        result = llm.rounds.collect(job)
+        assert result.stats.fidelity["reading"] is None and result.stats.fidelity["skipped"]
+        assert next(o for o in result.outputs if o.agent_id == probed).finish_reason == "abort"
+        assert not [t for t in llm.engine.kv.tables if not isinstance(t, SessionKey)]

@@ -185,9 +185,14 @@ class RoundJob:
                 self._record(output)
                 if self.kv.has(output.request_id):
                     self.kv.keep(output.request_id)
-            if output.finished and self.probe is not None:
-                self._ready += self.probe.observe(output, self.outputs.get(self.probe.exact.request_id), self.kv)
+            if output.finished:
+                self._probe_observe(output)
         self._end_wave_if_done()
+
+    def _probe_observe(self, output: RequestOutput) -> None:
+        """A finished output the probe may wait for (the shadow's, a score's, the probed member's)."""
+        if self.probe is not None:
+            self._ready += self.probe.observe(output, self.outputs.get(self.probe.exact.request_id), self.kv)
 
     def fail(self, error: BaseException) -> None:
         """The round cannot go on: nothing of its preparation stays behind (the engine aborts its
@@ -217,6 +222,7 @@ class RoundJob:
     def record_abort(self, output: RequestOutput) -> None:
         """The agent's request was aborted in the engine: its output, and the wave may be over."""
         self._record(output)
+        self._probe_observe(output)
         self._end_wave_if_done()
 
     # ------------------------------------------------------------ the prefill
@@ -254,6 +260,8 @@ class RoundJob:
         wave = self._waves.popleft()
         for i in [i for i in wave.indices if self.requests[i].agent_id in self.abandoned]:
             self._record(self._unstarted_output(self.requests[i], "abort"))
+            if self._is_exact(self.requests[i]):  # its shadow is never opened
+                self.probe.skip("the probed member left", self.kv)
         wave.indices = [i for i in wave.indices if self.requests[i].agent_id not in self.abandoned]
         if not wave.indices:
             self._end_wave_if_done()
