@@ -30,7 +30,8 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 class Server:
     """`tokendance serve` in a subprocess on a free port of 127.0.0.1; stopped by `stop`."""
 
-    def __init__(self, *args: str, api_key: str | None = None, warm_up: bool = False, start_timeout_s: float = 180):
+    def __init__(self, *args: str, api_key: str | None = None, warm_up: bool = False, start_timeout_s: float = 180,
+                 new_session: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -40,7 +41,8 @@ class Server:
         reuse = [] if {"--reuse", "--fidelity"} & set(args) else ["--reuse", "tokendance"]
         command = [sys.executable, "-m", "tokendance.cli", "serve", "--port", str(self.port), "--num-threads", str(THREADS),
                    *([] if warm_up else ["--no-warm-up"]), *reuse, *args]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        # new_session: a process group of its own, which a test may signal whole
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout_s
         while not self._healthy():

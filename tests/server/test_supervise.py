@@ -1,6 +1,6 @@
 """`python -m tokendance.server.fleet.supervise`: the session of the command it runs (a server and the
 processes the server started) never outlives it, whether it is told to stop, its parent dies
-outright, or the command exits leaving processes behind."""
+outright, the fleet's owner it watches is gone, or the command exits leaving processes behind."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def session_processes(leader: int) -> list[int]:
     return found
 
 
-def supervised(tmp_path: Path, command: list[str], parent: bool = False) -> tuple[subprocess.Popen, int]:
+def supervised(tmp_path: Path, command: list[str], parent: bool = False, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """(the process started: the supervisor, or a parent of it; the command's pid, once its helper runs)."""
     pidfile = tmp_path / "server.pid"
     supervise = [sys.executable, "-m", "tokendance.server.fleet.supervise", str(pidfile), "--", *command]
     if parent:  # a parent that starts the supervisor and waits: killing it is a replica killed outright
         supervise = [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({supervise!r}); time.sleep(300)"]
-    process = subprocess.Popen(supervise)
+    process = subprocess.Popen(supervise, env={**os.environ, **(env or {})})
     wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
     leader = int(pidfile.read_text())
     wait_until(lambda: len(session_processes(leader)) >= 2, timeout=30)
@@ -60,4 +60,14 @@ def test_a_server_that_exits_leaves_nothing_behind_and_its_status(tmp_path):
     leaver = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(['sleep', '300']); time.sleep(1); sys.exit(3)"]
     process, leader = supervised(tmp_path, leaver)
     assert process.wait(timeout=30) == 3
+    assert session_processes(leader) == []
+
+
+def test_a_fleet_owner_that_is_gone_takes_the_servers_session_with_it(tmp_path):
+    owner = subprocess.Popen(["sleep", "300"])  # stands for `tokendance serve`, killed outright
+    process, leader = supervised(tmp_path, SERVER, env={"TOKENDANCE_FLEET_OWNER": str(owner.pid)})
+    assert session_processes(leader)
+    owner.kill()
+    owner.wait()
+    assert process.wait(timeout=30) == 0
     assert session_processes(leader) == []

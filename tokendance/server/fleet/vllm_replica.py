@@ -55,6 +55,7 @@ class VllmLaunch:
     max_model_len: int | None = None
     connector: dict = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    owner: int = 0  # the pid of the `tokendance serve` the supervisors watch (0: none, a cluster joined)
 
     def command(self, port: int) -> list[str]:
         command = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -71,7 +72,8 @@ class VllmLaunch:
         first = (rank * self.threads) % cores
         last = min(first + self.threads, cores) - 1
         return {**os.environ, "VLLM_PLUGINS": "tokendance", "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_gib:g}",
-                "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{last}", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+                "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{last}", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                "TOKENDANCE_FLEET_OWNER": str(self.owner)}
 
 
 def free_port() -> int:
@@ -186,10 +188,13 @@ def vllm_launch(args, threads: int, server_config) -> VllmLaunch:
     from tokendance.model.platform import dtype_name
     from tokendance.vllm_plugin.model_folder import default_model_folder
 
+    kv = args.kv_cache_bytes
+    if kv != "auto" and kv % 2**30:
+        raise ValueError(f"--engine vllm sizes vLLM-CPU's KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE): "
+                         f"--kv-cache-bytes {kv} is {kv / 2**30:.2f} GiB")
     model = str(Path(args.model).resolve()) if args.model else str(default_model_folder().resolve())
     if not Path(model, "config.json").exists():
         raise ValueError(f"--engine vllm needs a Hugging Face model folder (config.json), not {args.model!r}")
-    kv = args.kv_cache_bytes
     # a declared round waits --round-timeout-ms for its members (each replica's own default, 0.25 s,
     # is for requests that reach vLLM directly: through the endpoint and Ray a burst of 32 spreads further)
     connector = {"recompute_ratio": args.recompute_ratio, "selection": args.selection, "anchors": args.anchors,
@@ -199,4 +204,5 @@ def vllm_launch(args, threads: int, server_config) -> VllmLaunch:
     return VllmLaunch(python=args.vllm_python, model=model, served_model_name=server_config.model_name,
                       dtype=dtype_name(args.dtype), threads=threads,
                       kv_gib=1.0 if kv == "auto" else kv / 2**30, max_model_len=args.max_model_len,
-                      connector=connector, extra_args=tuple(args.vllm_arg or ()))
+                      connector=connector, extra_args=tuple(args.vllm_arg or ()),
+                      owner=0 if args.ray_address else os.getpid())
