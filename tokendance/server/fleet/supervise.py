@@ -46,13 +46,20 @@ def stop_session(leader: int, grace_s: float = GRACE_S) -> None:
             time.sleep(0.2)
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
+def _state_and_parent(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, parent pid) from /proc; None for a process that is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+            fields = f.read().rsplit(") ", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    stat = _state_and_parent(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def adopt_orphans() -> bool:
@@ -69,16 +76,10 @@ def adopt_orphans() -> bool:
 def descendants(root: int) -> list[int]:
     """Every live process below `root` in the process tree, parents before their children."""
     children: dict[int, list[int]] = {}
-    for stat in os.scandir("/proc"):
-        if not stat.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{stat.name}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(stat.name))
+    for entry in os.scandir("/proc"):
+        stat = _state_and_parent(entry.name) if entry.name.isdigit() else None
+        if stat is not None and stat[0] != "Z":
+            children.setdefault(stat[1], []).append(int(entry.name))
     found, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop(0)
